@@ -1,0 +1,208 @@
+//! Plain-data descriptions of a model and of the optimizer, shared by the trainer, the run
+//! config and validators. They carry no tensors, so a node can check an update's shapes
+//! against a model it never allocated.
+
+use serde::{Deserialize, Serialize};
+
+/// How the values of the kept DCT coefficients travel on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueCodec {
+    /// One bit per coefficient: its sign (the DeMo/Psyche default).
+    Sign,
+    /// bfloat16, little-endian.
+    Bf16,
+    /// IEEE f32, little-endian.
+    F32,
+}
+
+impl ValueCodec {
+    /// Bits one value occupies on the wire.
+    pub fn bits(self) -> u32 {
+        match self {
+            ValueCodec::Sign => 1,
+            ValueCodec::Bf16 => 16,
+            ValueCodec::F32 => 32,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ValueCodec::Sign => "sign",
+            ValueCodec::Bf16 => "bf16",
+            ValueCodec::F32 => "f32",
+        }
+    }
+}
+
+impl std::str::FromStr for ValueCodec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sign" => Ok(ValueCodec::Sign),
+            "bf16" => Ok(ValueCodec::Bf16),
+            "f32" => Ok(ValueCodec::F32),
+            other => Err(format!("unknown value codec {other:?} (expected sign, bf16 or f32)")),
+        }
+    }
+}
+
+/// A Llama-2 style decoder: RMSNorm, RoPE, (grouped-query) attention, SwiGLU MLP, untied head,
+/// no biases.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub name: String,
+    pub vocab: u32,
+    pub dim: u32,
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub ffn: u32,
+    pub seq_len: u32,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+}
+
+/// Round a vocabulary up to a multiple of 64 so that the embedding and head chunk into full
+/// 64-row blocks (an awkward size like 50257 would chunk into 29-row blocks).
+pub fn pad_vocab(v: u32) -> u32 {
+    v.div_ceil(64) * 64
+}
+
+impl ModelConfig {
+    /// Named configurations. `vocab` is the data's vocabulary for `tiny` and `small` (padded to
+    /// a multiple of 64); `1.2b` always uses the DisTrO report's 32000.
+    pub fn named(name: &str, data_vocab: u32) -> Option<ModelConfig> {
+        let v = pad_vocab(data_vocab.max(1));
+        let c = |name: &str, vocab, dim, layers, heads, kv_heads, ffn, seq_len| ModelConfig {
+            name: name.to_string(),
+            vocab,
+            dim,
+            layers,
+            heads,
+            kv_heads,
+            ffn,
+            seq_len,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+        };
+        match name {
+            // ~0.85M parameters with a byte vocabulary: trains on a 2-core CPU in minutes.
+            "tiny" => Some(c("tiny", v, 128, 4, 4, 4, 384, 64)),
+            // ~27M parameters with a byte vocabulary (20-50M with most tokenizers below 20k).
+            "small" => Some(c("small", v, 512, 8, 8, 8, 1536, 256)),
+            // The DisTrO report's 1.2B Llama-2.
+            "1.2b" => Some(c("1.2b", 32000, 2048, 16, 8, 8, 8192, 2048)),
+            _ => None,
+        }
+    }
+
+    pub fn head_dim(&self) -> u32 {
+        self.dim / self.heads
+    }
+
+    /// Every trainable tensor, in the canonical order used on the wire and in checkpoints.
+    pub fn tensor_shapes(&self) -> Vec<(String, Vec<u32>)> {
+        let d = self.dim;
+        let kv = self.kv_heads * self.head_dim();
+        let mut t = vec![("tok_embeddings.weight".to_string(), vec![self.vocab, d])];
+        for l in 0..self.layers {
+            let p = format!("layers.{l}.");
+            t.push((format!("{p}attention_norm.weight"), vec![d]));
+            t.push((format!("{p}attention.wq.weight"), vec![d, d]));
+            t.push((format!("{p}attention.wk.weight"), vec![kv, d]));
+            t.push((format!("{p}attention.wv.weight"), vec![kv, d]));
+            t.push((format!("{p}attention.wo.weight"), vec![d, d]));
+            t.push((format!("{p}ffn_norm.weight"), vec![d]));
+            t.push((format!("{p}feed_forward.w1.weight"), vec![self.ffn, d]));
+            t.push((format!("{p}feed_forward.w3.weight"), vec![self.ffn, d]));
+            t.push((format!("{p}feed_forward.w2.weight"), vec![d, self.ffn]));
+        }
+        t.push(("norm.weight".to_string(), vec![d]));
+        t.push(("output.weight".to_string(), vec![self.vocab, d]));
+        t
+    }
+
+    pub fn param_count(&self) -> u64 {
+        self.tensor_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().map(|&x| x as u64).product::<u64>())
+            .sum()
+    }
+}
+
+/// DeMo hyperparameters (defaults as in the reference code, k as in Psyche).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimConfig {
+    /// Target chunk length s per dimension.
+    pub chunk: u32,
+    /// Coefficients kept per chunk.
+    pub topk: u32,
+    pub values: ValueCodec,
+    /// Momentum decay β in `delta = β·delta + lr·grad`.
+    pub beta: f64,
+    /// Peak learning rate (the size of the sign step).
+    pub lr: f64,
+    /// Decoupled weight decay: `p *= 1 − lr·wd`.
+    pub weight_decay: f64,
+    pub warmup_steps: u32,
+    /// Steps of the cosine schedule; the rate ends at `lr·min_lr_ratio`.
+    pub total_steps: u32,
+    pub min_lr_ratio: f64,
+    /// Clip each node's gradient to this global L2 norm (0 = off).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            chunk: 64,
+            topk: 4,
+            values: ValueCodec::Sign,
+            beta: 0.999,
+            lr: 4e-4,
+            weight_decay: 0.0,
+            warmup_steps: 250,
+            total_steps: 25_000,
+            min_lr_ratio: 0.1,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// Linear warm-up, then cosine decay to `peak·min_ratio` at `total`; flat after.
+pub fn lr_at(step: u32, peak: f64, warmup: u32, total: u32, min_ratio: f64) -> f64 {
+    if warmup > 0 && step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let span = total.saturating_sub(warmup).max(1) as f64;
+    let t = ((step.saturating_sub(warmup)) as f64 / span).min(1.0);
+    let min = peak * min_ratio;
+    min + 0.5 * (peak - min) * (1.0 + (std::f64::consts::PI * t).cos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_sizes() {
+        let tiny = ModelConfig::named("tiny", 256).unwrap();
+        assert!(tiny.param_count() < 2_000_000);
+        let small = ModelConfig::named("small", 256).unwrap();
+        let n = small.param_count();
+        assert!((20_000_000..=50_000_000).contains(&n), "{n}");
+        let big = ModelConfig::named("1.2b", 0).unwrap();
+        let n = big.param_count();
+        assert!((1_100_000_000..1_400_000_000).contains(&n), "{n}");
+        assert_eq!(pad_vocab(50257), 50304);
+    }
+
+    #[test]
+    fn schedule_shape() {
+        assert!((lr_at(0, 1.0, 10, 100, 0.1) - 0.1).abs() < 1e-12);
+        assert!((lr_at(9, 1.0, 10, 100, 0.1) - 1.0).abs() < 1e-12);
+        assert!((lr_at(100, 1.0, 10, 100, 0.1) - 0.1).abs() < 1e-12);
+        assert!(lr_at(50, 1.0, 10, 100, 0.1) < 1.0);
+    }
+}

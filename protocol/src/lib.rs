@@ -1,0 +1,7 @@
+//! The swarm protocol: wire types, validation rules and the sans-IO engine.
+//!
+//! Nothing in this crate does I/O or depends on tch, tokio or libp2p, so the network shell,
+//! the simulator and validators all read the same definitions.
+
+pub mod config;
+pub mod sparse;

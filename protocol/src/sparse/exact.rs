@@ -1,0 +1,239 @@
+//! Aggregation and the exact decode.
+//!
+//! Every honest node must turn the same set of updates into bit-identical parameters, on CPU
+//! or CUDA, with any thread count and in any arrival order. Floating-point matmuls round
+//! differently on each device, so the decode is made exact instead:
+//!
+//! 1. The per-coefficient mean over the updates that kept it is computed here, in plain Rust,
+//!    in a canonical order (updates sorted by content id; for 1-bit values the sums are small
+//!    integers and order does not matter at all).
+//! 2. Each block's means are scaled by a power of two fixed by the block's largest magnitude
+//!    and rounded to integers `Yq` with `|Yq| ≤ 2^A`. The sign of the decoded block does not
+//!    depend on a positive scale, so this costs nothing but rounding at 2^-A of the block max.
+//! 3. The DCT basis is rounded to integers `Fq = round(F·2^B)` with `B = BASIS_BITS`.
+//! 4. The decode `Fq_h · Yq · Fq_wᵀ` is then a sum of integer products. Every partial sum is
+//!    bounded by `(Σ_b |Fq_h[j,b]|)·(Σ_d |Fq_w[i,d]|)·2^A ≤ (2^B·√h + h/2)(2^B·√w + w/2)·2^A`
+//!    (rows of F have unit norm, so `Σ|F| ≤ √n`; rounding adds at most ½ per entry).
+//!    [`coef_bits`] picks `A` so that bound is `≤ 2^52`: every intermediate is an exact
+//!    integer in f64, so any summation order, blocking or FMA gives the same result, and
+//!    `sign` of it is exact.
+
+use super::{Layout, SparseUpdate};
+
+/// Bits of the quantized DCT basis.
+pub const BASIS_BITS: u32 = 14;
+
+/// The orthonormal DCT-II basis for length `n`, row-major `F[j·n + b] = c_b·cos(π(2j+1)b/2n)`
+/// (j: position, b: frequency). Encode a block X as Fᵀ·X·F, decode Y as F·Y·Fᵀ.
+pub fn dct_basis(n: usize) -> Vec<f64> {
+    let mut f = vec![0.0; n * n];
+    for j in 0..n {
+        for b in 0..n {
+            let c = if b == 0 { (1.0 / n as f64).sqrt() } else { (2.0 / n as f64).sqrt() };
+            f[j * n + b] = c * (std::f64::consts::PI * (2 * j + 1) as f64 * b as f64 / (2 * n) as f64).cos();
+        }
+    }
+    f
+}
+
+/// `round(F·2^BASIS_BITS)`: small integers, held in f64 for the exact matmul.
+pub fn dct_basis_quantized(n: usize) -> Vec<f64> {
+    let scale = (1u64 << BASIS_BITS) as f64;
+    dct_basis(n).into_iter().map(|x| (x * scale).round_ties_even()).collect()
+}
+
+/// Bits `A` of the quantized coefficients for an `h × w` block (see the module docs).
+pub fn coef_bits(h: usize, w: usize) -> u32 {
+    let b = (1u64 << BASIS_BITS) as f64;
+    let fh = b * (h as f64).sqrt() + h as f64 / 2.0;
+    let fw = b * (w as f64).sqrt() + w as f64 / 2.0;
+    let a = (52.0 - (fh * fw).log2()).floor();
+    a.clamp(0.0, 24.0) as u32
+}
+
+/// Aggregated coefficients per tensor, block-major (`[blocks][h·w]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Aggregate {
+    /// Per tensor: the mean over the senders that kept each coefficient (0 where none did).
+    pub mean: Vec<Vec<f64>>,
+    /// How many updates went in.
+    pub count: usize,
+}
+
+/// Per-coefficient mean over the updates that selected it. `updates` must be validated
+/// against `layout` and share one codec. Float sums run in the order of the updates' content
+/// ids (blake3 of their bytes), so the result does not depend on arrival order.
+pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
+    let mut order: Vec<(blake3::Hash, usize)> = updates
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (blake3::hash(&u.encode()), i))
+        .collect();
+    order.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut mean = Vec::with_capacity(layout.tensors.len());
+    for (ti, t) in layout.tensors.iter().enumerate() {
+        let elems = t.block_elems();
+        let mut sum = vec![0.0f64; t.numel()];
+        let mut cnt = vec![0u32; t.numel()];
+        for &(_, ui) in &order {
+            let tu = &updates[ui].tensors[ti];
+            let (idx, vals) = tu.entries(updates[ui].codec);
+            let k = tu.k as usize;
+            for (e, (&i, &v)) in idx.iter().zip(&vals).enumerate() {
+                let pos = (e / k) * elems + i as usize;
+                sum[pos] += v as f64;
+                cnt[pos] += 1;
+            }
+        }
+        for (s, &c) in sum.iter_mut().zip(&cnt) {
+            if c > 0 {
+                *s /= c as f64;
+            }
+        }
+        mean.push(sum);
+    }
+    Aggregate { mean, count: updates.len() }
+}
+
+/// Exponent `e` with `2^e ≥ x` for finite `x > 0` (from the bits, so it is exact everywhere).
+fn ceil_exp2(x: f64) -> i32 {
+    let bits = x.to_bits();
+    let exp = ((bits >> 52) & 0x7ff) as i32;
+    let mant = bits & ((1u64 << 52) - 1);
+    if exp == 0 {
+        return -1074; // subnormal: any tiny exponent works, 2^-1074 ≤ x ≤ 2^-1022
+    }
+    let e = exp - 1023; // x = 1.m · 2^e
+    if mant == 0 { e } else { e + 1 }
+}
+
+/// Quantize one tensor's block-major means to integers for the exact decode: per block,
+/// `round(y · 2^(A − e))` where `2^e ≥ max|y|`, so `|Yq| ≤ 2^A`.
+pub fn quantize_blocks(mean: &[f64], h: usize, w: usize) -> Vec<f64> {
+    let a = coef_bits(h, w) as i32;
+    let mut out = vec![0.0; mean.len()];
+    for (blk, o) in mean.chunks(h * w).zip(out.chunks_mut(h * w)) {
+        let m = blk.iter().fold(0.0f64, |m, &x| m.max(x.abs()));
+        if m == 0.0 {
+            continue;
+        }
+        let shift = a - ceil_exp2(m);
+        // Scaling by a power of two in two steps keeps it exact even for extreme shifts.
+        let s1 = 2f64.powi(shift / 2);
+        let s2 = 2f64.powi(shift - shift / 2);
+        for (x, y) in blk.iter().zip(o.iter_mut()) {
+            *y = (x * s1 * s2).round_ties_even();
+        }
+    }
+    out
+}
+
+/// Reference exact decode of one quantized block (`Fq_h · Yq · Fq_wᵀ`), row-major `h × w`.
+/// The trainer does the same thing batched on its device; tests compare the two.
+pub fn decode_block_exact(yq: &[f64], fh: &[f64], fw: &[f64], h: usize, w: usize) -> Vec<f64> {
+    // z = Fq_h · Yq  (h × w)
+    let mut z = vec![0.0; h * w];
+    for j in 0..h {
+        for b in 0..h {
+            let f = fh[j * h + b];
+            if f == 0.0 {
+                continue;
+            }
+            for d in 0..w {
+                z[j * w + d] += f * yq[b * w + d];
+            }
+        }
+    }
+    // out = z · Fq_wᵀ, out[j][i] = Σ_d z[j][d]·Fq_w[i][d]
+    let mut out = vec![0.0; h * w];
+    for j in 0..h {
+        for i in 0..w {
+            let mut s = 0.0;
+            for d in 0..w {
+                s += z[j * w + d] * fw[i * w + d];
+            }
+            out[j * w + i] = s;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ValueCodec;
+    use crate::sparse::TensorUpdate;
+
+    #[test]
+    fn basis_is_orthonormal() {
+        for n in [1usize, 2, 7, 29, 48, 64] {
+            let f = dct_basis(n);
+            for a in 0..n {
+                for b in 0..n {
+                    let dot: f64 = (0..n).map(|j| f[j * n + a] * f[j * n + b]).sum();
+                    let want = if a == b { 1.0 } else { 0.0 };
+                    assert!((dot - want).abs() < 1e-12, "n={n} a={a} b={b} dot={dot}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_basis_is_far_from_rounding_ties() {
+        // A node on another platform whose cos() differs in the last bit must still round the
+        // basis to the same integers: no entry may sit near a .5 boundary.
+        for n in 1..=128usize {
+            for x in dct_basis(n) {
+                let s = x * (1u64 << BASIS_BITS) as f64;
+                let frac = (s - s.floor() - 0.5).abs();
+                assert!(frac > 1e-9, "n={n}: {s} is too close to a tie");
+            }
+        }
+    }
+
+    #[test]
+    fn bound_keeps_every_partial_sum_exact() {
+        for (h, w) in [(64usize, 64usize), (1, 64), (29, 64), (1, 1), (128, 128)] {
+            let a = coef_bits(h, w);
+            let qh: f64 = dct_basis_quantized(h).chunks(h).map(|r| r.iter().map(|x| x.abs()).sum::<f64>()).fold(0.0, f64::max);
+            let qw: f64 = dct_basis_quantized(w).chunks(w).map(|r| r.iter().map(|x| x.abs()).sum::<f64>()).fold(0.0, f64::max);
+            let bound = qh * qw * 2f64.powi(a as i32);
+            assert!(bound < 2f64.powi(53), "({h},{w}) A={a}: {bound}");
+            assert!(a >= 16, "({h},{w}) leaves only {a} bits");
+        }
+    }
+
+    #[test]
+    fn aggregate_means_over_selecting_senders() {
+        let l = Layout::from_shapes(&[("a".into(), vec![2, 4])], 64);
+        let t = &l.tensors[0];
+        let mk = |idx: &[u32], v: &[f32]| SparseUpdate {
+            codec: ValueCodec::F32,
+            tensors: vec![TensorUpdate::from_entries(t, 2, ValueCodec::F32, idx, v)],
+        };
+        let u1 = mk(&[0, 3], &[1.0, 2.0]);
+        let u2 = mk(&[3, 5], &[4.0, -1.0]);
+        let a = aggregate(&l, &[&u1, &u2]);
+        assert_eq!(a.mean[0], vec![1.0, 0.0, 0.0, 3.0, 0.0, -1.0, 0.0, 0.0]);
+        let b = aggregate(&l, &[&u2, &u1]);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn exact_decode_matches_float_decode_in_sign() {
+        let (h, w) = (8usize, 16usize);
+        let mut x = 12345u64;
+        let y: Vec<f64> = (0..h * w)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 11) as f64 / (1u64 << 53) as f64) - 0.5
+            })
+            .collect();
+        let yq = quantize_blocks(&y, h, w);
+        let out = decode_block_exact(&yq, &dct_basis_quantized(h), &dct_basis_quantized(w), h, w);
+        let float = decode_block_exact(&y, &dct_basis(h), &dct_basis(w), h, w);
+        let agree = out.iter().zip(&float).filter(|(a, b)| a.signum() == b.signum()).count();
+        assert!(agree >= h * w - 1, "{agree} of {}", h * w);
+        assert!(out.iter().all(|v| v.fract() == 0.0));
+    }
+}
