@@ -28,6 +28,16 @@ if [[ ! -f "$STAMP" ]]; then
     flock -u 9
 fi
 
+# Plots need a font through fontconfig; install one where the machine has none (as root).
+if ! fc-list 2>/dev/null | grep -q . ; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "swarm setup: installing fontconfig and a font for plots" >&2
+        (apt-get update -qq && apt-get install -y -qq fontconfig fonts-dejavu-core) >&2 || echo "swarm setup: could not install fonts; plots will lack text" >&2
+    else
+        echo "swarm setup: warning: no fonts found (fontconfig); PNG plots may fail" >&2
+    fi
+fi
+
 TORCH_DIR="$("$VENV/bin/python" -W ignore -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
 # Point cargo at that venv: tch's build script runs `python` from VIRTUAL_ENV when
 # LIBTORCH_USE_PYTORCH=1. `.cargo/config.toml` is generated (and git-ignored) because the
@@ -44,7 +54,7 @@ PATH = { value = \"$VENV/bin:$PATH\", force = true }
 SWARM_TORCH_LIB = \"$TORCH_DIR/lib\"
 
 [build]
-rustflags = [\"-C\", \"link-arg=-Wl,-rpath,$TORCH_DIR/lib\", \"-C\", \"link-arg=-Wl,--no-as-needed\"]
+rustflags = [\"-C\", \"link-arg=-Wl,-rpath,$TORCH_DIR/lib\"]
 "
 if [[ ! -f "$CONFIG" ]] || [[ "$(cat "$CONFIG")" != "$NEW" ]]; then
     printf '%s' "$NEW" > "$CONFIG"

@@ -5,3 +5,9 @@
 
 pub mod config;
 pub mod sparse;
+pub mod cbor;
+pub mod checkpoint;
+pub mod error;
+pub mod run;
+pub mod wire;
+pub mod engine;

@@ -21,7 +21,7 @@ pub fn chunk_len(n: usize, s: usize) -> usize {
     if n <= s {
         return n.max(1);
     }
-    (1..=s).rev().find(|d| n % d == 0).unwrap_or(1)
+    (1..=s).rev().find(|&d| n.is_multiple_of(d)).unwrap_or(1)
 }
 
 /// Bits needed for an index into a block of `elems` coefficients (0 for a 1-element block).
@@ -175,6 +175,41 @@ pub fn pack_bits(vals: &[u32], bits: u32) -> Vec<u8> {
         out[pos] = acc as u8;
     }
     out
+}
+
+/// Reads fixed-width values LSB-first; the caller has checked the length.
+struct BitReader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    acc: u64,
+    nacc: u32,
+    bits: u32,
+    mask: u64,
+}
+
+impl<'a> BitReader<'a> {
+    fn new(bytes: &'a [u8], bits: u32) -> Self {
+        let mask = if bits >= 32 { u32::MAX as u64 } else { (1u64 << bits) - 1 };
+        BitReader { bytes, pos: 0, acc: 0, nacc: 0, bits, mask }
+    }
+    #[inline]
+    fn next_value(&mut self) -> u32 {
+        if self.bits == 0 {
+            return 0;
+        }
+        if self.nacc < self.bits {
+            // Refill up to 7 bytes at once when available.
+            while self.nacc <= 56 && self.pos < self.bytes.len() {
+                self.acc |= (self.bytes[self.pos] as u64) << self.nacc;
+                self.pos += 1;
+                self.nacc += 8;
+            }
+        }
+        let v = (self.acc & self.mask) as u32;
+        self.acc >>= self.bits;
+        self.nacc = self.nacc.saturating_sub(self.bits);
+        v
+    }
 }
 
 /// Inverse of [`pack_bits`]. `bytes` must hold at least `count·bits` bits.
@@ -341,11 +376,13 @@ impl SparseUpdate {
             if !padding_zero(&u.indices, n * bits as usize) || !padding_zero(&u.values, n * codec.bits() as usize) {
                 return Err(SparseError::NonZeroPadding { tensor: ti });
             }
-            let idx = unpack_bits(&u.indices, bits, n);
+            // Stream the indices (no allocation): this check runs on every received blob.
             let elems = t.block_elems();
-            for (b, blk) in idx.chunks(ke.max(1)).enumerate() {
+            let mut it = BitReader::new(&u.indices, bits);
+            for b in 0..t.blocks() {
                 let mut prev: Option<u32> = None;
-                for &i in blk {
+                for _ in 0..ke {
+                    let i = it.next_value();
                     if i as usize >= elems {
                         return Err(SparseError::IndexOutOfRange { tensor: ti, block: b, index: i, elems });
                     }
@@ -355,11 +392,14 @@ impl SparseUpdate {
                     prev = Some(i);
                 }
             }
-            if codec != ValueCodec::Sign {
-                let vals = unpack_values(codec, &u.values, n);
-                if let Some(p) = vals.iter().position(|v| !v.is_finite()) {
-                    return Err(SparseError::NonFinite { tensor: ti, position: p });
-                }
+            // An exponent of all ones is ±inf or NaN, in f32 and bf16 alike.
+            let bad = match codec {
+                ValueCodec::Sign => None,
+                ValueCodec::Bf16 => u.values.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
+                ValueCodec::F32 => u.values.chunks_exact(4).position(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000),
+            };
+            if let Some(p) = bad {
+                return Err(SparseError::NonFinite { tensor: ti, position: p });
             }
         }
         Ok(())

@@ -51,18 +51,47 @@ pub fn coef_bits(h: usize, w: usize) -> u32 {
     a.clamp(0.0, 24.0) as u32
 }
 
-/// Aggregated coefficients per tensor, block-major (`[blocks][h·w]`).
+/// One tensor's aggregated coefficients, sparse: for block `b`, entries
+/// `offsets[b]..offsets[b+1]` of `index` (ascending within the block) and `mean`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorAggregate {
+    pub offsets: Vec<u32>,
+    pub index: Vec<u32>,
+    /// The mean over the senders that kept each coefficient.
+    pub mean: Vec<f64>,
+}
+
+impl TensorAggregate {
+    /// Most coefficients any block holds.
+    pub fn max_nnz(&self) -> usize {
+        self.offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0)
+    }
+
+    /// Dense block-major means (`[blocks][elems]`), zero where nobody kept a coefficient.
+    pub fn dense(&self, elems: usize) -> Vec<f64> {
+        let blocks = self.offsets.len() - 1;
+        let mut out = vec![0.0; blocks * elems];
+        for b in 0..blocks {
+            for e in self.offsets[b] as usize..self.offsets[b + 1] as usize {
+                out[b * elems + self.index[e] as usize] = self.mean[e];
+            }
+        }
+        out
+    }
+}
+
+/// Aggregated coefficients of every tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Aggregate {
-    /// Per tensor: the mean over the senders that kept each coefficient (0 where none did).
-    pub mean: Vec<Vec<f64>>,
+    pub tensors: Vec<TensorAggregate>,
     /// How many updates went in.
     pub count: usize,
 }
 
 /// Per-coefficient mean over the updates that selected it. `updates` must be validated
-/// against `layout` and share one codec. Float sums run in the order of the updates' content
-/// ids (blake3 of their bytes), so the result does not depend on arrival order.
+/// against `layout` and share one codec. Sums run in the order of the updates' content ids
+/// (blake3 of their bytes), so the result does not depend on arrival order; for 1-bit values
+/// they are small integers and exact in any order anyway.
 pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
     let mut order: Vec<(blake3::Hash, usize)> = updates
         .iter()
@@ -70,29 +99,47 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
         .map(|(i, u)| (blake3::hash(&u.encode()), i))
         .collect();
     order.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-    let mut mean = Vec::with_capacity(layout.tensors.len());
+    let mut tensors = Vec::with_capacity(layout.tensors.len());
     for (ti, t) in layout.tensors.iter().enumerate() {
-        let elems = t.block_elems();
-        let mut sum = vec![0.0f64; t.numel()];
-        let mut cnt = vec![0u32; t.numel()];
-        for &(_, ui) in &order {
-            let tu = &updates[ui].tensors[ti];
-            let (idx, vals) = tu.entries(updates[ui].codec);
-            let k = tu.k as usize;
-            for (e, (&i, &v)) in idx.iter().zip(&vals).enumerate() {
-                let pos = (e / k) * elems + i as usize;
-                sum[pos] += v as f64;
-                cnt[pos] += 1;
+        let entries: Vec<(Vec<u32>, Vec<f32>, usize)> = order
+            .iter()
+            .map(|&(_, ui)| {
+                let tu = &updates[ui].tensors[ti];
+                let (i, v) = tu.entries(updates[ui].codec);
+                (i, v, tu.k as usize)
+            })
+            .collect();
+        let blocks = t.blocks();
+        let mut offsets = Vec::with_capacity(blocks + 1);
+        let mut index = Vec::new();
+        let mut mean = Vec::new();
+        offsets.push(0u32);
+        let mut scratch: Vec<(u32, f32)> = Vec::new();
+        for b in 0..blocks {
+            scratch.clear();
+            for (idx, vals, k) in &entries {
+                scratch.extend(idx[b * k..(b + 1) * k].iter().copied().zip(vals[b * k..(b + 1) * k].iter().copied()));
             }
-        }
-        for (s, &c) in sum.iter_mut().zip(&cnt) {
-            if c > 0 {
-                *s /= c as f64;
+            // Stable: equal indices keep the canonical update order, so float sums are fixed.
+            scratch.sort_by_key(|e| e.0);
+            let mut i = 0;
+            while i < scratch.len() {
+                let id = scratch[i].0;
+                let mut sum = 0.0f64;
+                let mut n = 0u32;
+                while i < scratch.len() && scratch[i].0 == id {
+                    sum += scratch[i].1 as f64;
+                    n += 1;
+                    i += 1;
+                }
+                index.push(id);
+                mean.push(sum / n as f64);
             }
+            offsets.push(index.len() as u32);
         }
-        mean.push(sum);
+        tensors.push(TensorAggregate { offsets, index, mean });
     }
-    Aggregate { mean, count: updates.len() }
+    Aggregate { tensors, count: updates.len() }
 }
 
 /// Exponent `e` with `2^e ≥ x` for finite `x > 0` (from the bits, so it is exact everywhere).
@@ -107,12 +154,15 @@ fn ceil_exp2(x: f64) -> i32 {
     if mant == 0 { e } else { e + 1 }
 }
 
-/// Quantize one tensor's block-major means to integers for the exact decode: per block,
-/// `round(y · 2^(A − e))` where `2^e ≥ max|y|`, so `|Yq| ≤ 2^A`.
-pub fn quantize_blocks(mean: &[f64], h: usize, w: usize) -> Vec<f64> {
+/// Quantize one tensor's aggregated means to integers for the exact decode: per block,
+/// `round(y · 2^(A − e))` where `2^e ≥ max|y|`, so `|Yq| ≤ 2^A`. Returned in the same sparse
+/// order as `t.mean`.
+pub fn quantize_blocks(t: &TensorAggregate, h: usize, w: usize) -> Vec<f64> {
     let a = coef_bits(h, w) as i32;
-    let mut out = vec![0.0; mean.len()];
-    for (blk, o) in mean.chunks(h * w).zip(out.chunks_mut(h * w)) {
+    let mut out = vec![0.0; t.mean.len()];
+    for b in 0..t.offsets.len() - 1 {
+        let r = t.offsets[b] as usize..t.offsets[b + 1] as usize;
+        let blk = &t.mean[r.clone()];
         let m = blk.iter().fold(0.0f64, |m, &x| m.max(x.abs()));
         if m == 0.0 {
             continue;
@@ -121,7 +171,7 @@ pub fn quantize_blocks(mean: &[f64], h: usize, w: usize) -> Vec<f64> {
         // Scaling by a power of two in two steps keeps it exact even for extreme shifts.
         let s1 = 2f64.powi(shift / 2);
         let s2 = 2f64.powi(shift - shift / 2);
-        for (x, y) in blk.iter().zip(o.iter_mut()) {
+        for (x, y) in blk.iter().zip(out[r].iter_mut()) {
             *y = (x * s1 * s2).round_ties_even();
         }
     }
@@ -214,7 +264,8 @@ mod tests {
         let u1 = mk(&[0, 3], &[1.0, 2.0]);
         let u2 = mk(&[3, 5], &[4.0, -1.0]);
         let a = aggregate(&l, &[&u1, &u2]);
-        assert_eq!(a.mean[0], vec![1.0, 0.0, 0.0, 3.0, 0.0, -1.0, 0.0, 0.0]);
+        assert_eq!(a.tensors[0].dense(8), vec![1.0, 0.0, 0.0, 3.0, 0.0, -1.0, 0.0, 0.0]);
+        assert_eq!(a.tensors[0].index, vec![0, 3, 5]);
         let b = aggregate(&l, &[&u2, &u1]);
         assert_eq!(a, b);
     }
@@ -229,7 +280,8 @@ mod tests {
                 ((x >> 11) as f64 / (1u64 << 53) as f64) - 0.5
             })
             .collect();
-        let yq = quantize_blocks(&y, h, w);
+        let agg = TensorAggregate { offsets: vec![0, (h * w) as u32], index: (0..(h * w) as u32).collect(), mean: y.clone() };
+        let yq = quantize_blocks(&agg, h, w);
         let out = decode_block_exact(&yq, &dct_basis_quantized(h), &dct_basis_quantized(w), h, w);
         let float = decode_block_exact(&y, &dct_basis(h), &dct_basis(w), h, w);
         let agree = out.iter().zip(&float).filter(|(a, b)| a.signum() == b.signum()).count();

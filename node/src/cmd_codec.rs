@@ -1,0 +1,182 @@
+//! `swarm codec`: encode tensors as DeMo updates, decode and aggregate updates, and size them.
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use protocol::config::{ModelConfig, ValueCodec};
+use protocol::sparse::{self, Layout, SparseUpdate};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use tch::{Device, Kind, Tensor};
+use train::demo::DctCodec;
+
+#[derive(Subcommand, Debug)]
+pub enum CodecCmd {
+    /// Compress every tensor of a safetensors file, each treated as a momentum, into one update.
+    #[command(after_help = "The output holds the tensor names and the update blob exactly as it goes on the wire.\n\
+Example: swarm codec encode --input m.safetensors --topk 4 --values sign --output u.bin")]
+    Encode {
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long, default_value_t = 64)]
+        chunk: u32,
+        #[arg(long, default_value_t = 4)]
+        topk: u32,
+        /// sign (1 bit), bf16 or f32.
+        #[arg(long, default_value = "sign")]
+        values: ValueCodec,
+        #[arg(long)]
+        output: PathBuf,
+    },
+    /// Aggregate updates (per-coefficient mean over the updates that hold it) and inverse-DCT
+    /// them: the aggregate before the sign step, as safetensors.
+    Decode {
+        /// One or more files written by `swarm codec encode` for tensors of the same shapes.
+        #[arg(required = true)]
+        updates: Vec<PathBuf>,
+        #[arg(long)]
+        output: PathBuf,
+        /// Write sign(aggregate), computed exactly as nodes apply it, instead of the aggregate.
+        #[arg(long)]
+        sign: bool,
+    },
+    /// Bytes of one update for a named model, and ratios to dense and all-reduce traffic,
+    /// without allocating the model.
+    Size {
+        #[arg(long, default_value = "1.2b")]
+        model: String,
+        /// Vocabulary for tiny/small (1.2b uses 32000).
+        #[arg(long, default_value_t = 256)]
+        vocab: u32,
+        #[arg(long, default_value_t = 64)]
+        chunk: u32,
+        #[arg(long, default_value_t = 4)]
+        topk: u32,
+        #[arg(long, default_value = "sign")]
+        values: ValueCodec,
+        /// Peers in the comparison (the DisTrO report used 32).
+        #[arg(long, default_value_t = 32)]
+        peers: u64,
+    },
+}
+
+/// File format of `codec encode`: tensor names plus the wire blob.
+#[derive(Serialize, Deserialize)]
+struct CodecFile {
+    version: u32,
+    chunk: u32,
+    names: Vec<String>,
+    #[serde(with = "serde_bytes")]
+    blob: Vec<u8>,
+}
+
+fn shapes_of(tensors: &[(String, Tensor)]) -> Vec<(String, Vec<u32>)> {
+    tensors.iter().map(|(n, t)| (n.clone(), t.size().iter().map(|&x| x as u32).collect())).collect()
+}
+
+pub fn run(c: CodecCmd) -> Result<()> {
+    match c {
+        CodecCmd::Encode { input, chunk, topk, values, output } => {
+            let tensors = Tensor::read_safetensors(&input).with_context(|| format!("reading {}", input.display()))?;
+            if tensors.is_empty() {
+                bail!("{} holds no tensors", input.display());
+            }
+            let layout = Layout::from_shapes(&shapes_of(&tensors), chunk);
+            let codec = DctCodec::new(layout.clone(), Device::Cpu);
+            let mut deltas: Vec<Tensor> = tensors.iter().map(|(_, t)| t.to_kind(Kind::Float).copy()).collect();
+            let update = codec.encode(&mut deltas, topk, values);
+            let blob = update.encode();
+            let f = CodecFile { version: 1, chunk, names: tensors.iter().map(|(n, _)| n.clone()).collect(), blob };
+            std::fs::write(&output, serde_cbor::to_vec(&f)?)?;
+            let numel = layout.numel();
+            println!(
+                "{} tensors, {} values -> update of {} bytes ({:.4} bits/value; dense bf16 would be {} bytes, {:.0}x more)",
+                layout.tensors.len(),
+                numel,
+                f.blob.len(),
+                f.blob.len() as f64 * 8.0 / numel as f64,
+                2 * numel,
+                (2 * numel) as f64 / f.blob.len() as f64
+            );
+            Ok(())
+        }
+        CodecCmd::Decode { updates, output, sign } => {
+            let mut files = Vec::new();
+            for p in &updates {
+                let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+                let f: CodecFile = serde_cbor::from_slice(&bytes).with_context(|| format!("{}: not a codec file", p.display()))?;
+                files.push(f);
+            }
+            let first = &files[0];
+            let mut ups = Vec::new();
+            for (p, f) in updates.iter().zip(&files) {
+                if f.names != first.names || f.chunk != first.chunk {
+                    bail!("{} holds other tensors (or chunk) than {}", p.display(), updates[0].display());
+                }
+                ups.push(SparseUpdate::decode(&f.blob, usize::MAX).with_context(|| p.display().to_string())?);
+            }
+            let shapes: Vec<(String, Vec<u32>)> = first.names.iter().cloned().zip(ups[0].tensors.iter().map(|t| t.shape.clone())).collect();
+            let layout = Layout::from_shapes(&shapes, first.chunk);
+            for (p, u) in updates.iter().zip(&ups) {
+                u.validate(&layout, max_k(&ups[0]), ups[0].codec)
+                    .with_context(|| format!("{} is not a valid update for these tensors", p.display()))?;
+            }
+            let refs: Vec<&SparseUpdate> = ups.iter().collect();
+            let agg = sparse::aggregate(&layout, &refs);
+            let codec = DctCodec::new(layout.clone(), Device::Cpu);
+            let out = if sign { codec.exact_sign(&agg) } else { codec.decode_float(&agg) };
+            let named: Vec<(&str, Tensor)> = first.names.iter().map(|s| s.as_str()).zip(out).collect();
+            Tensor::write_safetensors(&named, &output)?;
+            println!("aggregated {} updates into {}", ups.len(), output.display());
+            Ok(())
+        }
+        CodecCmd::Size { model, vocab, chunk, topk, values, peers } => {
+            let Some(m) = ModelConfig::named(&model, vocab) else { bail!("unknown model {model:?} (tiny, small or 1.2b)") };
+            size_table(&m, chunk, topk, values, peers);
+            Ok(())
+        }
+    }
+}
+
+/// The k an update was made with (tensors smaller than k cap it; take the largest).
+fn max_k(u: &SparseUpdate) -> u32 {
+    u.tensors.iter().map(|t| t.k).max().unwrap_or(0)
+}
+
+pub fn size_table(m: &ModelConfig, chunk: u32, topk: u32, values: ValueCodec, peers: u64) {
+    let layout = Layout::for_model(m, chunk);
+    let bytes = sparse::encoded_size(&layout, topk, values) as f64;
+    let p = m.param_count() as f64;
+    let dense = 2.0 * p; // bf16 gradient
+    let n = peers as f64;
+    let ring = 2.0 * (n - 1.0) / n * dense;
+    // Information bound: log2 C(elems, k) + k sign bits per block.
+    let bound_bits: f64 = layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let e = t.block_elems() as f64;
+            let k = t.k_eff(topk) as f64;
+            let lc: f64 = (0..k as usize).map(|i| ((e - i as f64) / (i as f64 + 1.0)).log2()).sum();
+            t.blocks() as f64 * (lc + if values == ValueCodec::Sign { k } else { k * values.bits() as f64 })
+        })
+        .sum();
+    println!("model {} ({} params), chunk {chunk}, top-{topk}, {} values, {} blocks", m.name, p as u64, values.name(), layout.blocks());
+    println!("{:<44} {:>14}", "", "bytes");
+    println!("{:<44} {:>14.0}  ({:.2} MB, {:.4} bits/param)", "one update (CBOR, as sent)", bytes, bytes / 1e6, bytes * 8.0 / p);
+    println!("{:<44} {:>14.0}  ({:.2} MB)", "information bound (index set + values)", bound_bits / 8.0, bound_bits / 8e6);
+    println!("{:<44} {:>14.0}  ({:.0}x the update)", "dense bf16 gradient (one peer's)", dense, dense / bytes);
+    println!(
+        "{:<44} {:>14.0}  ({:.0}x the {} updates received)",
+        format!("ring all-reduce per node, {peers} peers"),
+        ring,
+        ring / (bytes * (n - 1.0)),
+        peers - 1
+    );
+    println!(
+        "{:<44} {:>14.0}  vs {:.0} all-to-all bf16 ({:.0}x)",
+        format!("received per node per step, {peers} peers"),
+        bytes * (n - 1.0),
+        dense * (n - 1.0),
+        dense / bytes
+    );
+}

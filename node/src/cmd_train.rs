@@ -1,0 +1,236 @@
+//! `swarm train`.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use train::data::{Corpus, DataSpec};
+use train::run::{Optimizer, TrainOptions};
+
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  swarm train --report runs/demo.json\n  swarm train --optimizer adamw --report runs/adamw.json\n  \
+swarm plot runs/demo.json runs/adamw.json --out runs/compare.png\n  \
+swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json")]
+pub struct TrainArgs {
+    /// Model: tiny (~0.85M params, minutes on a CPU), small (~27M), 1.2b (the DisTrO report's).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// demo (DisTrO/DeMo sparse sign updates) or adamw (AdamW on the all-reduced mean gradient).
+    #[arg(long, default_value = "demo", value_parser = parse_opt)]
+    optimizer: Optimizer,
+    /// Data-parallel replicas in this process.
+    #[arg(long, default_value_t = 8)]
+    replicas: usize,
+    #[arg(long, default_value_t = 300)]
+    steps: u32,
+    /// Sequences per replica per step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// `synthetic[:VOCAB[:BRANCH[:SEED]]]` (the embedded order-2 Markov-chain corpus with an
+    /// exactly known loss floor; default vocab 64, branch 4, seed 1), a UTF-8 text file
+    /// (byte tokens, or --tokenizer), or a flat token shard (*.bin, *.u16, *.u32).
+    #[arg(long, default_value = "synthetic")]
+    data: String,
+    /// A HuggingFace tokenizer.json for text data.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Bits per token of a shard (16 or 32); *.u32 files default to 32.
+    #[arg(long)]
+    token_width: Option<u32>,
+    /// DeMo: coefficients kept per chunk.
+    #[arg(long, default_value_t = 4)]
+    topk: u32,
+    /// DeMo: target chunk length per dimension.
+    #[arg(long, default_value_t = 64)]
+    chunk: u32,
+    /// DeMo: value encoding on the wire: sign (1 bit), bf16 or f32.
+    #[arg(long, default_value = "sign")]
+    values: ValueCodec,
+    /// DeMo: peak sign-step size.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// DeMo: momentum decay β.
+    #[arg(long, default_value_t = 0.999)]
+    beta: f64,
+    /// DeMo: decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    wd: f64,
+    /// AdamW: peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    adamw_lr: f64,
+    /// AdamW: weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    adamw_wd: f64,
+    /// Warm-up steps (default: a tenth of the run, at most 250).
+    #[arg(long)]
+    warmup: Option<u32>,
+    /// Gradient clipping (global L2 norm; 0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// auto (CUDA when present), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// CPU threads for libtorch (default: its own choice).
+    #[arg(long)]
+    threads: Option<i32>,
+    /// Evaluate on held-out data every this many steps (and at the end).
+    #[arg(long, default_value_t = 25)]
+    eval_every: u32,
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Write the report (JSON) here, and a PNG plot of its loss curves beside it.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Save the final weights as safetensors.
+    #[arg(long)]
+    save: Option<PathBuf>,
+}
+
+fn parse_opt(s: &str) -> Result<Optimizer, String> {
+    match s {
+        "demo" => Ok(Optimizer::Demo),
+        "adamw" => Ok(Optimizer::Adamw),
+        o => Err(format!("unknown optimizer {o:?} (expected demo or adamw)")),
+    }
+}
+
+pub fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) -> DataSpec {
+    if let Some(rest) = data.strip_prefix("synthetic") {
+        // synthetic[:VOCAB[:BRANCH[:SEED]]]
+        let mut spec = DataSpec::synthetic_default();
+        if let DataSpec::Synthetic { seed, vocab, branch } = &mut spec {
+            let parts: Vec<&str> = rest.trim_start_matches(':').split(':').filter(|s| !s.is_empty()).collect();
+            if let Some(v) = parts.first().and_then(|s| s.parse().ok()) {
+                *vocab = v;
+            }
+            if let Some(b) = parts.get(1).and_then(|s| s.parse().ok()) {
+                *branch = b;
+            }
+            if let Some(x) = parts.get(2).and_then(|s| s.parse().ok()) {
+                *seed = x;
+            }
+        }
+        return spec;
+    }
+    let lower = data.to_lowercase();
+    if lower.ends_with(".bin") || lower.ends_with(".u16") || lower.ends_with(".u32") {
+        let w = width.unwrap_or(if lower.ends_with(".u32") { 32 } else { 16 });
+        return DataSpec::Shard { path: data.to_string(), width: w, vocab: 0 };
+    }
+    DataSpec::Text { path: data.to_string(), tokenizer: tokenizer.map(|p| p.display().to_string()) }
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    if let Some(t) = a.threads {
+        tch::set_num_threads(t);
+    }
+    let device = train::parse_device(&a.device)?;
+    let spec = data_spec(&a.data, a.tokenizer.as_ref(), a.token_width);
+    let corpus = Corpus::open(&spec).with_context(|| format!("opening --data {}", a.data))?;
+    let Some(model) = ModelConfig::named(&a.model, corpus.vocab() as u32) else {
+        bail!("unknown model {:?} (expected tiny, small or 1.2b)", a.model);
+    };
+    let warmup = a.warmup.unwrap_or((a.steps / 10).min(250));
+    let opts = TrainOptions {
+        model: model.clone(),
+        optimizer: a.optimizer,
+        replicas: a.replicas,
+        steps: a.steps,
+        batch: a.batch,
+        seed: a.seed,
+        optim: OptimConfig {
+            chunk: a.chunk,
+            topk: a.topk,
+            values: a.values,
+            beta: a.beta,
+            lr: a.lr,
+            weight_decay: a.wd,
+            warmup_steps: warmup,
+            total_steps: a.steps,
+            min_lr_ratio: 0.1,
+            grad_clip: a.clip,
+        },
+        adamw_lr: a.adamw_lr,
+        adamw_wd: a.adamw_wd,
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+    };
+    eprintln!("data: {}", corpus.describe());
+    eprintln!(
+        "model: {} ({} params, vocab {}), optimizer {:?}, {} replicas × {} seqs × {} tokens, device {:?}",
+        model.name,
+        model.param_count(),
+        model.vocab,
+        a.optimizer,
+        a.replicas,
+        a.batch,
+        model.seq_len,
+        device
+    );
+    if let Some(f) = corpus.loss_floor(model.seq_len as usize) {
+        eprintln!("loss floor (exact, this corpus and sequence length): {f:.4} nats/token");
+    }
+    let tty = std::io::stderr().is_terminal();
+    let pb = ProgressBar::new(a.steps as u64);
+    if tty {
+        pb.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]").unwrap());
+    } else {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut last_eval = None;
+    let every = (a.steps / 10).max(1);
+    let (model_out, report) = train::run::train(&opts, &corpus, device, |r| {
+        if let Some(e) = r.eval_loss {
+            last_eval = Some(e);
+        }
+        let msg = format!(
+            "loss {:.4}  eval {}  lr {:.2e}  sent {} B/step",
+            r.train_loss,
+            last_eval.map(|e| format!("{e:.4}")).unwrap_or("-".into()),
+            r.lr,
+            r.bytes_sent
+        );
+        pb.set_message(msg.clone());
+        pb.inc(1);
+        if !tty && (r.step % every == 0 || r.step + 1 == a.steps) {
+            eprintln!("step {}/{}: {msg}", r.step + 1, a.steps);
+        }
+    })?;
+    pb.finish_and_clear();
+    println!("final eval loss: {:.4}", report.final_eval_loss);
+    if let Some(f) = report.loss_floor {
+        println!("loss floor:      {f:.4}  (gap {:.4})", report.final_eval_loss - f);
+    }
+    if let Some(b) = report.update_bytes {
+        println!("update size:     {b} bytes ({:.4} bits/param)", b as f64 * 8.0 / report.params as f64);
+    }
+    if let Some(c) = report.codec_fraction {
+        println!("codec share:     {:.1}% of forward+backward (compress + aggregate + apply)", c * 100.0);
+    }
+    println!("wall time:       {:.1} s", report.wall_seconds);
+    println!("param digest:    {}", report.final_digest);
+    if let Some(path) = &a.save {
+        model_out.save(path).with_context(|| format!("saving {}", path.display()))?;
+        println!("saved weights to {}", path.display());
+    }
+    if let Some(path) = &a.report {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&report)?)?;
+        std::fs::rename(&tmp, path)?;
+        println!("wrote {}", path.display());
+        let png = path.with_extension("png");
+        let label = format!("{:?}", a.optimizer).to_lowercase();
+        match crate::plot::loss_plot(&[(label, report)], &png) {
+            Ok(()) => println!("wrote {}", png.display()),
+            Err(e) => eprintln!("warning: could not draw {}: {e:#}", png.display()),
+        }
+    }
+    Ok(())
+}

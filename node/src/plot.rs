@@ -1,0 +1,78 @@
+//! PNG plots of training reports.
+
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+use std::path::Path;
+use train::run::Report;
+
+/// Loss against step: each report's train loss (thin) and eval loss (thick, with points), and
+/// the corpus's loss floor when it is known.
+pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
+    let root = BitMapBackend::new(out, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let steps = reports.iter().map(|(_, r)| r.steps.len()).max().unwrap_or(1).max(1) as f64;
+    let all: Vec<f64> = reports
+        .iter()
+        .flat_map(|(_, r)| r.steps.iter().map(|s| s.train_loss).chain(r.loss_floor))
+        .filter(|x| x.is_finite())
+        .collect();
+    let lo = all.iter().cloned().fold(f64::INFINITY, f64::min);
+    // Skip the first few steps' huge losses when choosing the top of the axis.
+    let hi = reports
+        .iter()
+        .flat_map(|(_, r)| r.steps.iter().skip(r.steps.len() / 20).map(|s| s.train_loss))
+        .fold(lo + 0.1, f64::max);
+    let title = match reports {
+        [(_, r)] => format!("{} · {} · {}", r.options.model.name, format!("{:?}", r.options.optimizer).to_lowercase(), short(&r.data)),
+        _ => format!("loss: {}", reports.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>().join(" vs ")),
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..steps, (lo - 0.05 * (hi - lo))..hi)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("loss (nats/token)")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (label, r)) in reports.iter().enumerate() {
+        let c = palette[i % palette.len()];
+        chart
+            .draw_series(LineSeries::new(r.steps.iter().map(|s| (s.step as f64, s.train_loss)), c.mix(0.35)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("{label} train"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.mix(0.35)));
+        let evals: Vec<(f64, f64)> = r.steps.iter().filter_map(|s| s.eval_loss.map(|e| (s.step as f64, e))).collect();
+        chart
+            .draw_series(LineSeries::new(evals.clone(), c.stroke_width(3)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("{label} eval (final {:.4})", r.final_eval_loss))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        chart.draw_series(evals.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(|e| anyhow!("{e}"))?;
+    }
+    if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
+        chart
+            .draw_series(DashedLineSeries::new(vec![(0.0, f), (steps, f)], 8, 6, BLACK.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("loss floor {f:.4}"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+fn short(s: &str) -> String {
+    s.split(':').next().unwrap_or(s).chars().take(60).collect()
+}

@@ -1,0 +1,1412 @@
+//! The sans-IO engine that runs rounds without a coordinator.
+//!
+//! `Engine::handle(event, now) -> Vec<Action>`: time comes in as `now` (unix ms), randomness as
+//! a seed at construction, and every map is a `BTreeMap`, so one sequence of events gives one
+//! sequence of actions, byte for byte, on any machine. The network shell (node/) and the
+//! simulator (sim/) turn actions into I/O and I/O into events.
+//!
+//! # The round (see `StepTiming`)
+//! * During step t's window a node trains on its parameters (version t−1 when on time) and
+//!   publishes a signed header for its update; the blob goes inline when small, else peers fetch
+//!   it by id from whoever relayed the header (relays are told to forward only verified blobs:
+//!   the gossip verdict is withheld until the blob checks out).
+//! * At `publish_deadline(t)` updates for t stop being accepted from gossip (late ones are
+//!   counted, not applied) and every synced node publishes a signed `StepSummary`: the blob ids
+//!   of the valid updates it holds for t, and its own parameter version and digest.
+//! * Until `apply_at(t)` summaries come in; any listed update the node lacks is fetched (from
+//!   the summary's sender first). A slow or vanished peer is simply absent: nothing waits for
+//!   it longer than the grace after `apply_at(t)`.
+//! * At `apply_at(t)` the node applies the **union of its own summary and every summary it
+//!   received for t**, restricted to updates it holds and verified, minus any sender proven to
+//!   have equivocated in t, in blob-id order. Honest nodes that received the same summaries and
+//!   blobs apply the same set; one that missed an update learns of it from the summaries and
+//!   fetches it before applying.
+//! * Summaries carry parameter digests. A node whose digest for its current version is
+//!   outvoted (at least `attest_quorum` peers agree on another) declares itself desynced and
+//!   asks for a checkpoint, exactly like a joiner.
+//! * A joiner listens, and once at least `attest_quorum` peers attest a (version, digest) whose
+//!   summaries it was listening for, requests a checkpoint of at least that version, loads it,
+//!   and catches up by applying the following steps from the summaries it collected.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+
+use crypto::{ContentId, Digest, Identity, NodeId};
+
+use crate::error::WireError;
+use crate::run::{RunConfig, RunId};
+use crate::wire::{
+    caps, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader, UpdateRules, PROTOCOL_VERSION,
+};
+
+/// Something that happened, fed to [`Engine::handle`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A frame from the network. `tag` is the gossip message id whose validation result the
+    /// transport waits for (None for direct messages such as Hello).
+    Message {
+        from: NodeId,
+        tag: Option<u64>,
+        bytes: Vec<u8>,
+    },
+    /// The answer to [`Action::Fetch`]: a `Message::Update` frame.
+    Fetched {
+        from: NodeId,
+        blob: ContentId,
+        bytes: Vec<u8>,
+    },
+    /// The fetch failed (timeout, refused, disconnected).
+    FetchFailed {
+        from: NodeId,
+        blob: ContentId,
+    },
+    /// The local trainer finished its update for `step`: the encoded `SparseUpdate`.
+    LocalUpdate {
+        step: u64,
+        blob: Vec<u8>,
+        tokens: u64,
+    },
+    /// The timer set by [`Action::SetTimer`] fired (any extra call is harmless).
+    Timer,
+    PeerConnected {
+        peer: NodeId,
+    },
+    PeerGone {
+        peer: NodeId,
+    },
+    /// The trainer applied `step` (as asked by [`Action::Apply`]); `digest` is the parameter
+    /// digest afterwards (version `step + 1`).
+    Applied {
+        step: u64,
+        digest: Digest,
+    },
+    /// A checkpoint was downloaded, verified against its manifest, and loaded.
+    CheckpointLoaded {
+        version: u64,
+        digest: Digest,
+    },
+    CheckpointFailed,
+}
+
+/// gossipsub-style validation result for a tagged message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Valid: forward it.
+    Accept,
+    /// Provably invalid: drop it and penalize the relay.
+    Reject,
+    /// Not for us (late, duplicate, another run): drop without penalty.
+    Ignore,
+}
+
+/// An update's bytes, shared (blobs are megabytes; actions are cloned in tests).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Blob(pub Arc<[u8]>);
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "Blob({} bytes)", self.0.len())
+    }
+}
+
+/// One update included in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Included {
+    pub blob: ContentId,
+    pub sender: NodeId,
+    pub tokens: u64,
+    /// The encoded `SparseUpdate`, already validated against the run's layout.
+    pub bytes: Blob,
+}
+
+/// What happened that a log or metrics exporter wants to know.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Report {
+    /// Provably invalid; the peer at fault is penalized.
+    Rejected {
+        from: NodeId,
+        error: WireError,
+    },
+    /// Dropped without fault: late, duplicate, another run, full buffer, out of window.
+    Ignored {
+        from: NodeId,
+        error: WireError,
+    },
+    /// The local trainer's update could not be published.
+    LocalRefused {
+        step: u64,
+        error: WireError,
+    },
+    StepApplied {
+        step: u64,
+        included: u32,
+        listed: u32,
+        missing: u32,
+    },
+    /// Our digest for `version` was outvoted: resyncing from a checkpoint.
+    Desync {
+        version: u64,
+        mine: Digest,
+        majority: Digest,
+    },
+    Synced {
+        version: u64,
+        digest: Digest,
+    },
+    CheckpointUnattested {
+        version: u64,
+        digest: Digest,
+    },
+}
+
+/// Something for the shell to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Gossip a frame on the run's topic.
+    Publish {
+        bytes: Vec<u8>,
+    },
+    /// Send a frame to one peer directly.
+    Send {
+        peer: NodeId,
+        bytes: Vec<u8>,
+    },
+    /// Report the validation result of a tagged gossip message.
+    Verdict {
+        tag: u64,
+        verdict: Verdict,
+    },
+    /// Ask `peer` for the update whose blob id is `blob` (answered by its
+    /// [`Engine::serve_update`]); report back with `Fetched` or `FetchFailed`.
+    Fetch {
+        peer: NodeId,
+        blob: ContentId,
+    },
+    /// Download a checkpoint of at least `min_version` from one of `peers` (in the order
+    /// given), verify it against its manifest, load it and report `CheckpointLoaded`.
+    RequestCheckpoint {
+        min_version: u64,
+        peers: Vec<NodeId>,
+    },
+    /// Step `step`'s window opened: train on the current parameters (version `base_version`).
+    StartStep {
+        step: u64,
+        base_version: u64,
+    },
+    /// Apply step `step` with exactly these updates, in this order; answer with `Applied`.
+    Apply {
+        step: u64,
+        updates: Vec<Included>,
+    },
+    Penalize {
+        peer: NodeId,
+        reason: WireError,
+        points: u32,
+    },
+    Ban {
+        peer: NodeId,
+        reason: WireError,
+    },
+    /// Call `handle(Event::Timer, at)` at `at`.
+    SetTimer {
+        at: u64,
+    },
+    Report(Report),
+}
+
+/// Counters, for metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Metrics {
+    pub messages: u64,
+    pub rejected: u64,
+    pub ignored: u64,
+    pub late: u64,
+    pub early: u64,
+    pub duplicates: u64,
+    pub equivocations: u64,
+    pub fetches: u64,
+    pub fetch_failures: u64,
+    pub steps_applied: u64,
+    pub updates_applied: u64,
+    pub desyncs: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum SyncState {
+    Synced,
+    /// Waiting for a checkpoint. `requested`: min version asked for; `loaded`: a checkpoint
+    /// the trainer loaded but that is not yet attested.
+    Joining {
+        requested: Option<u64>,
+        loaded: Option<(u64, Digest)>,
+    },
+}
+
+struct Entry {
+    header: Signed<UpdateHeader>,
+    blob: Option<Arc<[u8]>>,
+    invalid: bool,
+}
+
+#[derive(Default)]
+struct StepState {
+    headers: BTreeMap<NodeId, Entry>,
+    equivocators: BTreeMap<NodeId, EquivocationProof>,
+    summaries: BTreeMap<NodeId, StepSummary>,
+    mine: Option<Vec<ContentId>>,
+}
+
+struct Want {
+    step: u64,
+    candidates: Vec<NodeId>,
+    tried: Vec<bool>,
+    inflight: Option<NodeId>,
+    /// Gossip tags whose verdict waits on this blob.
+    tags: Vec<u64>,
+}
+
+impl Want {
+    fn exhausted(&self) -> bool {
+        self.inflight.is_none() && self.tried.iter().all(|&t| t)
+    }
+}
+
+#[derive(Default)]
+struct Peer {
+    score: u32,
+    banned: bool,
+    connected: bool,
+    capabilities: u64,
+}
+
+/// The per-node protocol state machine. See the module docs.
+pub struct Engine {
+    run: RunConfig,
+    run_id: RunId,
+    rules: UpdateRules,
+    me: Identity,
+    me_id: NodeId,
+    capabilities: u64,
+    listen: Vec<String>,
+    sync: SyncState,
+    /// Parameter version (steps applied) and digest.
+    version: u64,
+    digest: Digest,
+    applying: Option<u64>,
+    /// When this engine started listening (summaries before it were never heard).
+    since: u64,
+    synced_at: u64,
+    next_start: u64,
+    next_summary: u64,
+    steps: BTreeMap<u64, StepState>,
+    by_blob: BTreeMap<ContentId, (u64, NodeId)>,
+    wants: BTreeMap<ContentId, Want>,
+    inflight: usize,
+    peers: BTreeMap<NodeId, Peer>,
+    /// version → reporter → digest, from summaries and hellos.
+    attest: BTreeMap<u64, BTreeMap<NodeId, Digest>>,
+    timer: Option<u64>,
+    rng: u64,
+    metrics: Metrics,
+}
+
+/// Where an engine stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub synced: bool,
+    pub version: u64,
+    pub digest: Digest,
+    pub applying: Option<u64>,
+}
+
+enum Via {
+    Gossip,
+    Fetch,
+}
+
+impl Engine {
+    /// A node of `run`. With `genesis` (the digest of the seeded initial parameters) and a
+    /// `now` before step 0 is applied, it starts synced at version 0; otherwise it joins.
+    pub fn new(run: RunConfig, me: Identity, genesis: Option<Digest>, now: u64, rng_seed: u64) -> Engine {
+        let run_id = run.run_id();
+        let rules = UpdateRules::new(&run);
+        let me_id = me.node_id();
+        let t = &run.timing;
+        let cur = t.step_at(now);
+        let (sync, digest) = match genesis {
+            Some(d) if now < t.apply_at(0) => (SyncState::Synced, d),
+            _ => (
+                SyncState::Joining {
+                    requested: None,
+                    loaded: None,
+                },
+                Digest::default(),
+            ),
+        };
+        Engine {
+            run_id,
+            rules,
+            me,
+            me_id,
+            capabilities: caps::TRAIN | caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS,
+            listen: Vec::new(),
+            sync,
+            version: 0,
+            digest,
+            applying: None,
+            since: now,
+            synced_at: now,
+            next_start: if now < t.genesis_ms { 0 } else { cur },
+            next_summary: if now <= t.publish_deadline(cur.saturating_sub(1)) {
+                cur.saturating_sub(1)
+            } else {
+                cur
+            },
+            steps: BTreeMap::new(),
+            by_blob: BTreeMap::new(),
+            wants: BTreeMap::new(),
+            inflight: 0,
+            peers: BTreeMap::new(),
+            attest: BTreeMap::new(),
+            timer: None,
+            // splitmix64 needs any nonzero-ish state; mix the seed with our key so that nodes
+            // seeded alike still spread their fetches.
+            rng: rng_seed ^ u64::from_le_bytes(me_id.0[..8].try_into().expect("8 bytes")),
+            metrics: Metrics::default(),
+            run,
+        }
+    }
+
+    /// Listen addresses and capabilities announced in Hello.
+    pub fn set_listen(&mut self, listen: Vec<String>, capabilities: u64) {
+        let l = &self.run.limits;
+        self.listen = listen
+            .into_iter()
+            .take(l.max_listen_addrs as usize)
+            .filter(|a| a.len() <= l.max_addr_len as usize)
+            .collect();
+        self.capabilities = capabilities;
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.me_id
+    }
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+    pub fn run(&self) -> &RunConfig {
+        &self.run
+    }
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+    pub fn status(&self) -> Status {
+        Status {
+            synced: self.sync == SyncState::Synced,
+            version: self.version,
+            digest: self.digest,
+            applying: self.applying,
+        }
+    }
+    pub fn is_banned(&self, peer: &NodeId) -> bool {
+        self.peers.get(peer).is_some_and(|p| p.banned)
+    }
+    pub fn score(&self, peer: &NodeId) -> u32 {
+        self.peers.get(peer).map_or(0, |p| p.score)
+    }
+
+    /// The `Message::Update` frame for `blob`, if held and verified (the answer to a peer's
+    /// fetch). Does not change state.
+    pub fn serve_update(&self, blob: &ContentId) -> Option<Vec<u8>> {
+        let (step, sender) = self.by_blob.get(blob)?;
+        let e = self.steps.get(step)?.headers.get(sender)?;
+        let b = e.blob.as_ref().filter(|_| !e.invalid)?;
+        Some(
+            Message::Update {
+                header: e.header.clone(),
+                blob: b.to_vec(),
+            }
+            .encode(),
+        )
+    }
+
+    /// The Hello frame this node sends on a new connection.
+    pub fn hello(&self) -> Vec<u8> {
+        Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            run: self.run_id,
+            node: self.me_id,
+            capabilities: self.capabilities,
+            listen: self.listen.clone(),
+            params_version: self.version,
+            params_digest: self.digest,
+        })
+        .encode()
+    }
+
+    /// Process one event at time `now` (unix ms).
+    pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        match ev {
+            Event::Message { from, tag, bytes } => self.on_message(from, tag, &bytes, now, &mut out),
+            Event::Fetched { from, blob, bytes } => self.on_fetched(from, blob, &bytes, now, &mut out),
+            Event::FetchFailed { from, blob } => self.fetch_failed(from, blob),
+            Event::LocalUpdate { step, blob, tokens } => self.on_local(step, blob, tokens, now, &mut out),
+            Event::Timer => {}
+            Event::PeerConnected { peer } => {
+                if let Some(p) = self.peer_mut(peer) {
+                    p.connected = true;
+                }
+                if !self.is_banned(&peer) {
+                    out.push(Action::Send {
+                        peer,
+                        bytes: self.hello(),
+                    });
+                }
+            }
+            Event::PeerGone { peer } => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.connected = false;
+                }
+                let ids: Vec<ContentId> = self
+                    .wants
+                    .iter()
+                    .filter(|(_, w)| w.inflight == Some(peer))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in ids {
+                    self.fetch_failed(peer, id);
+                }
+            }
+            Event::Applied { step, digest } => {
+                if self.applying == Some(step) {
+                    self.applying = None;
+                    self.version = step + 1;
+                    self.digest = digest;
+                    self.prune(now, &mut out);
+                    self.check_desync(&mut out);
+                }
+            }
+            Event::CheckpointLoaded { version, digest } => {
+                if let SyncState::Joining { loaded, .. } = &mut self.sync {
+                    *loaded = Some((version, digest));
+                }
+            }
+            Event::CheckpointFailed => {
+                if let SyncState::Joining { requested, .. } = &mut self.sync {
+                    *requested = None;
+                }
+            }
+        }
+        self.tick(now, &mut out);
+        self.pump(&mut out);
+        self.schedule(now, &mut out);
+        out
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // peers and penalties
+
+    fn peer_mut(&mut self, id: NodeId) -> Option<&mut Peer> {
+        // The table is bounded; peers beyond it are still penalized through the transport.
+        if !self.peers.contains_key(&id) && self.peers.len() >= self.run.limits.max_peers as usize {
+            return None;
+        }
+        Some(self.peers.entry(id).or_default())
+    }
+
+    fn blame(&mut self, peer: NodeId, error: WireError, out: &mut Vec<Action>) {
+        let points = error.penalty();
+        if points == 0 {
+            self.metrics.ignored += 1;
+            out.push(Action::Report(Report::Ignored { from: peer, error }));
+            return;
+        }
+        self.metrics.rejected += 1;
+        out.push(Action::Report(Report::Rejected {
+            from: peer,
+            error: error.clone(),
+        }));
+        if peer == self.me_id {
+            return;
+        }
+        let ban_score = self.run.limits.ban_score;
+        let ban = match self.peer_mut(peer) {
+            Some(p) => {
+                p.score = p.score.saturating_add(points);
+                let ban = !p.banned && p.score >= ban_score;
+                p.banned |= ban;
+                ban
+            }
+            None => points >= ban_score,
+        };
+        out.push(Action::Penalize {
+            peer,
+            reason: error.clone(),
+            points,
+        });
+        if ban {
+            out.push(Action::Ban { peer, reason: error });
+            for w in self.wants.values_mut() {
+                if let Some(i) = w.candidates.iter().position(|c| *c == peer) {
+                    w.tried[i] = true;
+                }
+            }
+        }
+    }
+
+    fn verdict(tag: Option<u64>, verdict: Verdict, out: &mut Vec<Action>) {
+        if let Some(tag) = tag {
+            out.push(Action::Verdict { tag, verdict });
+        }
+    }
+
+    fn next_rand(&mut self) -> u64 {
+        // splitmix64: tiny, seeded, and the same everywhere.
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // windows
+
+    /// Oldest step still kept: older messages are replays.
+    fn lo_step(&self, now: u64) -> u64 {
+        let past = self.run.limits.past_steps as u64;
+        match self.sync {
+            SyncState::Synced => self.version.saturating_sub(past),
+            SyncState::Joining { .. } => self.run.timing.step_at(now).saturating_sub(past + 2),
+        }
+    }
+
+    fn hi_step(&self, now: u64) -> u64 {
+        self.run.timing.step_at(now) + self.run.limits.future_steps as u64
+    }
+
+    fn in_window(&self, step: u64, now: u64) -> Result<(), WireError> {
+        let (lo, hi) = (self.lo_step(now), self.hi_step(now));
+        if step < lo || step > hi {
+            return Err(WireError::StepOutOfWindow { step, lo, hi });
+        }
+        Ok(())
+    }
+
+    /// Whether step `step` is already applied (or being applied) here.
+    fn closed(&self, step: u64) -> bool {
+        self.sync == SyncState::Synced && (step < self.version || self.applying == Some(step))
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // messages
+
+    fn on_message(&mut self, from: NodeId, tag: Option<u64>, bytes: &[u8], now: u64, out: &mut Vec<Action>) {
+        self.metrics.messages += 1;
+        if self.is_banned(&from) {
+            Self::verdict(tag, Verdict::Ignore, out);
+            return;
+        }
+        let msg = match Message::decode(bytes, &self.run.limits) {
+            Ok(m) => m,
+            Err(e) => {
+                let v = if e.penalty() > 0 {
+                    Verdict::Reject
+                } else {
+                    Verdict::Ignore
+                };
+                Self::verdict(tag, v, out);
+                self.blame(from, e, out);
+                return;
+            }
+        };
+        match msg {
+            Message::Hello(h) => self.on_hello(from, h, now, out),
+            Message::Announce { header, blob } => self.on_announce(from, tag, header, blob, now, out),
+            Message::Summary(s) => self.on_summary(from, tag, s, now, out),
+            Message::Equivocation(p) => self.on_proof(from, tag, p, now, out),
+            other => {
+                // Updates, manifests and chunks come as responses, never as gossip.
+                Self::verdict(tag, Verdict::Reject, out);
+                self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out);
+            }
+        }
+    }
+
+    fn on_hello(&mut self, from: NodeId, h: Hello, now: u64, out: &mut Vec<Action>) {
+        if h.node != from {
+            return self.blame(
+                from,
+                WireError::IdentityMismatch {
+                    claimed: h.node,
+                    peer: from,
+                },
+                out,
+            );
+        }
+        if h.run != self.run_id {
+            return self.blame(from, WireError::WrongRun, out);
+        }
+        if h.version != PROTOCOL_VERSION {
+            return self.blame(
+                from,
+                WireError::VersionMismatch {
+                    got: h.version,
+                    want: PROTOCOL_VERSION,
+                },
+                out,
+            );
+        }
+        if let Some(p) = self.peer_mut(from) {
+            p.connected = true;
+            p.capabilities = h.capabilities;
+        }
+        self.add_attest(h.params_version, from, h.params_digest, now);
+    }
+
+    fn on_announce(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        header: Signed<UpdateHeader>,
+        blob: Option<Vec<u8>>,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let (step, sender) = (header.body.step, header.body.sender);
+        match self.accept_header(from, header, Via::Gossip, now, out) {
+            Err((e, v)) => {
+                Self::verdict(tag, v, out);
+                return self.blame(from, e, out);
+            }
+            Ok(false) => {
+                self.metrics.duplicates += 1;
+                return Self::verdict(tag, Verdict::Ignore, out);
+            }
+            Ok(true) => {}
+        }
+        let id = self.steps[&step].headers[&sender].header.body.blob;
+        match blob {
+            Some(b) => {
+                let ok = self.accept_blob(from, step, sender, b, out);
+                Self::verdict(tag, if ok { Verdict::Accept } else { Verdict::Reject }, out);
+            }
+            None => {
+                // Fetch from the relay first (it forwards only what it verified), then the sender.
+                let added = self.want(id, step, &[from, sender], out);
+                match (added, tag) {
+                    (true, Some(t)) => self.wants.get_mut(&id).expect("just added").tags.push(t),
+                    (false, _) => Self::verdict(tag, Verdict::Ignore, out),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Check and store a header. `Ok(true)`: new; `Ok(false)`: already held. On error, the
+    /// caller blames the relay; blame of the signer is done here.
+    fn accept_header(
+        &mut self,
+        from: NodeId,
+        header: Signed<UpdateHeader>,
+        via: Via,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<bool, (WireError, Verdict)> {
+        let h = &header.body;
+        let (step, sender) = (h.step, h.sender);
+        if h.run != self.run_id {
+            return Err((WireError::WrongRun, Verdict::Ignore));
+        }
+        self.in_window(step, now).map_err(|e| (e, Verdict::Ignore))?;
+        let late = match via {
+            Via::Gossip => now > self.run.timing.publish_deadline(step),
+            Via::Fetch => false,
+        };
+        if late || self.closed(step) {
+            self.metrics.late += 1;
+            return Err((WireError::Late { step }, Verdict::Ignore));
+        }
+        if self.is_banned(&sender) {
+            return Err((WireError::Banned, Verdict::Ignore));
+        }
+        header.verify().map_err(|e| (e, Verdict::Reject))?;
+        if let Err(e) = self.rules.check_header(h) {
+            // Signed by the sender: its fault too.
+            if sender != from {
+                self.blame(sender, e.clone(), out);
+            }
+            return Err((e, Verdict::Reject));
+        }
+        let st = self.steps.entry(step).or_default();
+        if st.equivocators.contains_key(&sender) {
+            return Ok(false);
+        }
+        if let Some(prev) = st.headers.get(&sender) {
+            if prev.header.raw == header.raw {
+                return Ok(false);
+            }
+            // Two different validly signed headers: keep both as the proof, ban the sender.
+            let proof = EquivocationProof::new(prev.header.clone(), header);
+            st.equivocators.insert(sender, proof.clone());
+            self.metrics.equivocations += 1;
+            out.push(Action::Publish {
+                bytes: Message::Equivocation(proof).encode(),
+            });
+            let e = WireError::Equivocation { sender, step };
+            self.blame(sender, e, out);
+            return Ok(false);
+        }
+        let l = &self.run.limits;
+        if st.headers.len() >= l.max_updates_per_step as usize {
+            return Err((WireError::BufferFull("updates per step"), Verdict::Ignore));
+        }
+        if self.by_blob.contains_key(&h.blob) {
+            // Another sender already claimed this exact blob for a step (a copy): first wins.
+            return Err((WireError::Duplicate, Verdict::Ignore));
+        }
+        let cur = self.run.timing.step_at(now);
+        if step > cur {
+            let early: usize = self.steps.range(cur + 1..).map(|(_, s)| s.headers.len()).sum();
+            if early >= l.max_early_updates as usize {
+                return Err((WireError::BufferFull("early updates"), Verdict::Ignore));
+            }
+            self.metrics.early += 1;
+        }
+        self.by_blob.insert(h.blob, (step, sender));
+        let st = self.steps.entry(step).or_default();
+        st.headers.insert(
+            sender,
+            Entry {
+                header,
+                blob: None,
+                invalid: false,
+            },
+        );
+        Ok(true)
+    }
+
+    /// Validate and store the blob of a held header. Returns whether it was valid.
+    fn accept_blob(&mut self, from: NodeId, step: u64, sender: NodeId, blob: Vec<u8>, out: &mut Vec<Action>) -> bool {
+        let Some(e) = self.steps.get_mut(&step).and_then(|s| s.headers.get_mut(&sender)) else {
+            return false;
+        };
+        let id = e.header.body.blob;
+        if e.blob.is_some() || e.invalid {
+            let ok = !e.invalid;
+            self.resolve_want(id, if ok { Verdict::Accept } else { Verdict::Reject }, out);
+            return ok;
+        }
+        match self.rules.check_blob(&e.header.body, &blob) {
+            Ok(_) => {
+                e.blob = Some(blob.into());
+                self.resolve_want(id, Verdict::Accept, out);
+                true
+            }
+            Err(err) => {
+                // A blob that matches the signed id but is invalid is the sender's fault; one
+                // that does not match the id is only the relay's.
+                let signer_fault = !matches!(err, WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. });
+                if signer_fault {
+                    e.invalid = true;
+                    self.resolve_want(id, Verdict::Reject, out);
+                    self.blame(sender, err.clone(), out);
+                }
+                if from != sender || !signer_fault {
+                    self.blame(from, err, out);
+                }
+                false
+            }
+        }
+    }
+
+    fn on_summary(&mut self, from: NodeId, tag: Option<u64>, s: Signed<StepSummary>, now: u64, out: &mut Vec<Action>) {
+        let (step, sender) = (s.body.step, s.body.sender);
+        let res = (|| {
+            if s.body.run != self.run_id {
+                return Err((WireError::WrongRun, Verdict::Ignore));
+            }
+            self.in_window(step, now).map_err(|e| (e, Verdict::Ignore))?;
+            if now > self.run.timing.apply_at(step) || self.closed(step) {
+                self.metrics.late += 1;
+                return Err((WireError::Late { step }, Verdict::Ignore));
+            }
+            if self.is_banned(&sender) {
+                return Err((WireError::Banned, Verdict::Ignore));
+            }
+            if sender == self.me_id {
+                return Err((WireError::Duplicate, Verdict::Ignore));
+            }
+            s.verify().map_err(|e| (e, Verdict::Reject))?;
+            let max = self.run.limits.max_updates_per_step as usize;
+            let st = self.steps.entry(step).or_default();
+            if st.summaries.contains_key(&sender) {
+                // A second, different summary is ignored: the first one counts.
+                return Err((WireError::Duplicate, Verdict::Ignore));
+            }
+            if st.summaries.len() >= max {
+                return Err((WireError::BufferFull("summaries per step"), Verdict::Ignore));
+            }
+            st.summaries.insert(sender, s.body.clone());
+            Ok(())
+        })();
+        if let Err((e, v)) = res {
+            Self::verdict(tag, v, out);
+            if e == WireError::Duplicate {
+                self.metrics.duplicates += 1;
+                return;
+            }
+            return self.blame(from, e, out);
+        }
+        Self::verdict(tag, Verdict::Accept, out);
+        self.add_attest(s.body.params_version, sender, s.body.params_digest, now);
+        for id in &s.body.updates {
+            let held = self
+                .by_blob
+                .get(id)
+                .and_then(|(t, snd)| self.steps.get(t)?.headers.get(snd))
+                .is_some_and(|e| e.blob.is_some() || e.invalid);
+            if !held {
+                self.want(*id, step, &[sender, from], out);
+            }
+        }
+        self.check_desync(out);
+    }
+
+    fn on_proof(&mut self, from: NodeId, tag: Option<u64>, p: EquivocationProof, now: u64, out: &mut Vec<Action>) {
+        let (sender, step) = match p.verify(&self.run_id) {
+            Ok(x) => x,
+            Err(e) => {
+                let v = if e.penalty() > 0 {
+                    Verdict::Reject
+                } else {
+                    Verdict::Ignore
+                };
+                Self::verdict(tag, v, out);
+                return self.blame(from, e, out);
+            }
+        };
+        if self.in_window(step, now).is_err() {
+            // Old news, but still a valid proof: the sender is banned regardless.
+            Self::verdict(tag, Verdict::Ignore, out);
+        } else {
+            let st = self.steps.entry(step).or_default();
+            if st.equivocators.contains_key(&sender) {
+                self.metrics.duplicates += 1;
+                return Self::verdict(tag, Verdict::Ignore, out);
+            }
+            st.equivocators.insert(sender, p);
+            Self::verdict(tag, Verdict::Accept, out);
+        }
+        self.metrics.equivocations += 1;
+        if !self.is_banned(&sender) {
+            self.blame(sender, WireError::Equivocation { sender, step }, out);
+        }
+    }
+
+    fn on_fetched(&mut self, from: NodeId, blob: ContentId, bytes: &[u8], now: u64, out: &mut Vec<Action>) {
+        let Some(w) = self.wants.get_mut(&blob).filter(|w| w.inflight == Some(from)) else {
+            // A response we did not ask for (or no longer need): do not even decode it.
+            self.metrics.ignored += 1;
+            return;
+        };
+        w.inflight = None;
+        self.inflight -= 1;
+        let (header, data) = match Message::decode(bytes, &self.run.limits) {
+            Ok(Message::Update { header, blob }) => (header, blob),
+            Ok(other) => return self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out),
+            Err(e) => return self.blame(from, e, out),
+        };
+        if header.body.blob != blob {
+            return self.blame(
+                from,
+                WireError::BlobIdMismatch {
+                    got: header.body.blob,
+                    want: blob,
+                },
+                out,
+            );
+        }
+        let (step, sender) = (header.body.step, header.body.sender);
+        if let Err((e, _)) = self.accept_header(from, header, Via::Fetch, now, out) {
+            let fatal = e.penalty() > 0;
+            self.blame(from, e, out);
+            if !fatal {
+                self.resolve_want(blob, Verdict::Ignore, out);
+            }
+            return;
+        }
+        // The header may be an equivocation (then not stored): only a stored one gets its blob.
+        let stored = self
+            .steps
+            .get(&step)
+            .and_then(|s| s.headers.get(&sender))
+            .is_some_and(|e| e.header.body.blob == blob);
+        if stored {
+            self.accept_blob(from, step, sender, data, out);
+        } else {
+            self.resolve_want(blob, Verdict::Ignore, out);
+        }
+    }
+
+    fn fetch_failed(&mut self, from: NodeId, blob: ContentId) {
+        if let Some(w) = self.wants.get_mut(&blob) {
+            if w.inflight == Some(from) {
+                w.inflight = None;
+                self.inflight -= 1;
+                self.metrics.fetch_failures += 1;
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // fetching
+
+    /// Want `id` for `step`, from these candidates (in order of preference). Returns whether a
+    /// want exists for it now.
+    fn want(&mut self, id: ContentId, step: u64, from: &[NodeId], out: &mut Vec<Action>) -> bool {
+        let l = &self.run.limits;
+        let (max_q, max_c) = (l.max_fetch_queue as usize, l.max_fetch_candidates as usize);
+        if !self.wants.contains_key(&id) {
+            if self.wants.len() >= max_q {
+                out.push(Action::Report(Report::Ignored {
+                    from: from[0],
+                    error: WireError::BufferFull("fetch queue"),
+                }));
+                return false;
+            }
+            self.wants.insert(
+                id,
+                Want {
+                    step,
+                    candidates: Vec::new(),
+                    tried: Vec::new(),
+                    inflight: None,
+                    tags: Vec::new(),
+                },
+            );
+        }
+        let banned: Vec<bool> = from.iter().map(|p| self.is_banned(p) || *p == self.me_id).collect();
+        let w = self.wants.get_mut(&id).expect("present");
+        for (p, b) in from.iter().zip(banned) {
+            if !b && !w.candidates.contains(p) && w.candidates.len() < max_c {
+                w.candidates.push(*p);
+                w.tried.push(false);
+            }
+        }
+        true
+    }
+
+    fn resolve_want(&mut self, id: ContentId, v: Verdict, out: &mut Vec<Action>) {
+        if let Some(w) = self.wants.remove(&id) {
+            if w.inflight.is_some() {
+                self.inflight -= 1;
+            }
+            for t in w.tags {
+                out.push(Action::Verdict { tag: t, verdict: v });
+            }
+        }
+    }
+
+    fn pump(&mut self, out: &mut Vec<Action>) {
+        let max = self.run.limits.max_inflight_fetches as usize;
+        let ids: Vec<ContentId> = self
+            .wants
+            .iter()
+            .filter(|(_, w)| w.inflight.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if self.inflight >= max {
+                break;
+            }
+            let untried: Vec<usize> = {
+                let w = &self.wants[&id];
+                (0..w.candidates.len()).filter(|&i| !w.tried[i]).collect()
+            };
+            if untried.is_empty() {
+                // Nobody left to ask: release the gossip verdicts.
+                let w = self.wants.get_mut(&id).expect("present");
+                for t in std::mem::take(&mut w.tags) {
+                    out.push(Action::Verdict {
+                        tag: t,
+                        verdict: Verdict::Ignore,
+                    });
+                }
+                continue;
+            }
+            // Preference order for the first try (the relay), random after that to spread load.
+            let first = self.wants[&id].tried.iter().all(|t| !t);
+            let pick = if first {
+                0
+            } else {
+                untried[(self.next_rand() % untried.len() as u64) as usize]
+            };
+            let w = self.wants.get_mut(&id).expect("present");
+            w.tried[pick] = true;
+            let peer = w.candidates[pick];
+            w.inflight = Some(peer);
+            self.inflight += 1;
+            self.metrics.fetches += 1;
+            out.push(Action::Fetch { peer, blob: id });
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // the local update
+
+    fn on_local(&mut self, step: u64, blob: Vec<u8>, tokens: u64, now: u64, out: &mut Vec<Action>) {
+        let refuse = |error, out: &mut Vec<Action>| out.push(Action::Report(Report::LocalRefused { step, error }));
+        if self.sync != SyncState::Synced {
+            return refuse(WireError::Checkpoint("not synced"), out);
+        }
+        if now > self.run.timing.publish_deadline(step) || self.closed(step) {
+            return refuse(WireError::Late { step }, out);
+        }
+        if let Err(e) = self.in_window(step, now) {
+            return refuse(e, out);
+        }
+        if self
+            .steps
+            .get(&step)
+            .is_some_and(|s| s.headers.contains_key(&self.me_id))
+        {
+            // A second update for one step would be an equivocation: never sign one.
+            return refuse(WireError::Duplicate, out);
+        }
+        let header = UpdateHeader {
+            run: self.run_id,
+            step,
+            sender: self.me_id,
+            blob: ContentId::of(&blob),
+            blob_len: blob.len() as u64,
+            codec: self.rules.codec,
+            topk: self.rules.topk,
+            chunk: self.rules.chunk,
+            tokens,
+            base_version: self.version,
+            base_digest: self.digest,
+        };
+        if let Err(e) = self
+            .rules
+            .check_header(&header)
+            .and_then(|_| self.rules.check_blob(&header, &blob).map(|_| ()))
+        {
+            return refuse(e, out);
+        }
+        let signed = Signed::sign(header, &self.me);
+        let inline = blob.len() <= self.run.limits.inline_blob_bytes as usize;
+        let frame = Message::Announce {
+            header: signed.clone(),
+            blob: inline.then(|| blob.clone()),
+        }
+        .encode();
+        self.by_blob.insert(signed.body.blob, (step, self.me_id));
+        self.steps.entry(step).or_default().headers.insert(
+            self.me_id,
+            Entry {
+                header: signed,
+                blob: Some(blob.into()),
+                invalid: false,
+            },
+        );
+        out.push(Action::Publish { bytes: frame });
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // attestations, desync and joining
+
+    fn add_attest(&mut self, version: u64, who: NodeId, digest: Digest, now: u64) {
+        let cur = self.run.timing.step_at(now);
+        let past = self.run.limits.past_steps as u64;
+        // Only versions that can matter: around the current step, bounded on both sides.
+        if version + past + 2 < cur || version > cur + self.run.limits.future_steps as u64 + 1 {
+            return;
+        }
+        let max = self.run.limits.max_peers as usize;
+        let m = self.attest.entry(version).or_default();
+        if m.len() < max || m.contains_key(&who) {
+            m.insert(who, digest);
+        }
+    }
+
+    /// Peers (not banned) attesting `digest` for `version`.
+    fn attesters(&self, version: u64, digest: &Digest) -> Vec<NodeId> {
+        self.attest
+            .get(&version)
+            .map(|m| {
+                m.iter()
+                    .filter(|(p, d)| *d == digest && !self.is_banned(p) && **p != self.me_id)
+                    .map(|(p, _)| *p)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn check_desync(&mut self, out: &mut Vec<Action>) {
+        if self.sync != SyncState::Synced || self.applying.is_some() {
+            return;
+        }
+        let Some(m) = self.attest.get(&self.version) else {
+            return;
+        };
+        let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
+        for (p, d) in m {
+            if !self.is_banned(p) && *p != self.me_id {
+                *tally.entry(*d).or_default() += 1;
+            }
+        }
+        let mine = tally.get(&self.digest).copied().unwrap_or(0) + 1;
+        // Largest count wins; ties go to the smaller digest (any fixed rule will do).
+        let best = tally
+            .iter()
+            .filter(|(d, _)| **d != self.digest)
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)));
+        if let Some((d, &c)) = best {
+            if c >= self.run.limits.attest_quorum && c > mine {
+                self.metrics.desyncs += 1;
+                out.push(Action::Report(Report::Desync {
+                    version: self.version,
+                    mine: self.digest,
+                    majority: *d,
+                }));
+                self.sync = SyncState::Joining {
+                    requested: None,
+                    loaded: None,
+                };
+            }
+        }
+    }
+
+    fn tick_joining(&mut self, now: u64, out: &mut Vec<Action>) {
+        let SyncState::Joining { requested, loaded } = self.sync.clone() else {
+            return;
+        };
+        let quorum = self.run.limits.attest_quorum as usize;
+        if let Some((v, d)) = loaded {
+            let ok = self.attesters(v, &d).len() >= quorum && self.run.timing.publish_deadline(v) > self.since;
+            if ok {
+                self.sync = SyncState::Synced;
+                self.version = v;
+                self.digest = d;
+                self.synced_at = now;
+                self.next_start = self.run.timing.step_at(now).max(self.next_start);
+                out.push(Action::Report(Report::Synced { version: v, digest: d }));
+                return;
+            }
+            let newest = self.attest.keys().next_back().copied().unwrap_or(0);
+            if newest > v + self.run.limits.past_steps as u64 {
+                // Nobody attests it and the run has moved on: ask again.
+                out.push(Action::Report(Report::CheckpointUnattested { version: v, digest: d }));
+                self.sync = SyncState::Joining {
+                    requested: None,
+                    loaded: None,
+                };
+            }
+            return;
+        }
+        if requested.is_some() {
+            return;
+        }
+        // Newest (version, digest) attested by a quorum whose summaries we heard.
+        let mut best: Option<(u64, Vec<NodeId>)> = None;
+        for (&v, m) in self.attest.iter().rev() {
+            if self.run.timing.publish_deadline(v) <= self.since {
+                break;
+            }
+            let digests: BTreeSet<Digest> = m.values().copied().collect();
+            for d in digests {
+                let who = self.attesters(v, &d);
+                if who.len() >= quorum && best.as_ref().is_none_or(|b| who.len() > b.1.len()) {
+                    best = Some((v, who));
+                }
+            }
+            if best.is_some() {
+                break;
+            }
+        }
+        if let Some((v, mut peers)) = best {
+            // Spread checkpoint load: rotate the list by a seeded amount.
+            let n = peers.len();
+            let r = (self.next_rand() % n as u64) as usize;
+            peers.rotate_left(r);
+            self.sync = SyncState::Joining {
+                requested: Some(v),
+                loaded: None,
+            };
+            out.push(Action::RequestCheckpoint { min_version: v, peers });
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // the clock
+
+    fn tick(&mut self, now: u64, out: &mut Vec<Action>) {
+        self.tick_joining(now, out);
+        // While joining nothing is applied, so the window moves with the clock: prune here too.
+        if self.sync != SyncState::Synced {
+            self.prune(now, out);
+        }
+        let t = self.run.timing.clone();
+        let synced = self.sync == SyncState::Synced;
+        // Step starts: only the current one (a node that slept skips what it missed).
+        if synced && now >= t.genesis_ms {
+            let cur = t.step_at(now);
+            if cur >= self.next_start {
+                self.next_start = cur + 1;
+                out.push(Action::StartStep {
+                    step: cur,
+                    base_version: self.version,
+                });
+            }
+        }
+        // Summaries at each publish deadline.
+        while now >= t.publish_deadline(self.next_summary) {
+            let step = self.next_summary;
+            self.next_summary += 1;
+            let st = self.steps.entry(step).or_default();
+            let mut ids: Vec<ContentId> = st
+                .headers
+                .iter()
+                .filter(|(s, e)| e.blob.is_some() && !e.invalid && !st.equivocators.contains_key(*s))
+                .map(|(_, e)| e.header.body.blob)
+                .collect();
+            ids.sort();
+            // Our own view counts toward inclusion only if others heard it too: a summary that
+            // was never published (while joining, or after sleeping past apply time) would let
+            // this node include what nobody else does.
+            if synced && now <= t.apply_at(step) {
+                st.mine = Some(ids.clone());
+                let s = StepSummary {
+                    run: self.run_id,
+                    step,
+                    sender: self.me_id,
+                    updates: ids,
+                    params_version: self.version,
+                    params_digest: self.digest,
+                };
+                out.push(Action::Publish {
+                    bytes: Message::Summary(Signed::sign(s, &self.me)).encode(),
+                });
+            }
+        }
+        // Apply the next step once its time has come and what the summaries list is here (or
+        // can no longer be had).
+        if self.sync == SyncState::Synced && self.applying.is_none() {
+            let step = self.version;
+            if now >= t.apply_at(step) {
+                let hard = t.apply_at(step).max(self.synced_at) + t.grace_ms;
+                let st = self.steps.entry(step).or_default();
+                let mut listed: BTreeSet<ContentId> = st.mine.iter().flatten().copied().collect();
+                for (p, s) in &st.summaries {
+                    if !self.peers.get(p).is_some_and(|x| x.banned) {
+                        listed.extend(s.updates.iter().copied());
+                    }
+                }
+                let mut included = Vec::new();
+                let mut missing = 0u32;
+                let mut waiting = false;
+                for id in &listed {
+                    let e = self
+                        .by_blob
+                        .get(id)
+                        .filter(|(s, _)| *s == step)
+                        .and_then(|(_, snd)| st.headers.get(snd).map(|e| (snd, e)));
+                    match e {
+                        Some((snd, e)) if e.blob.is_some() && !e.invalid => {
+                            if !st.equivocators.contains_key(snd) {
+                                included.push(Included {
+                                    blob: *id,
+                                    sender: *snd,
+                                    tokens: e.header.body.tokens,
+                                    bytes: Blob(e.blob.clone().expect("checked")),
+                                });
+                            }
+                        }
+                        Some((_, e)) if e.invalid => {}
+                        _ => {
+                            missing += 1;
+                            waiting |= self.wants.get(id).is_some_and(|w| !w.exhausted());
+                        }
+                    }
+                }
+                if !waiting || now >= hard {
+                    let n = included.len() as u32;
+                    self.metrics.steps_applied += 1;
+                    self.metrics.updates_applied += n as u64;
+                    self.applying = Some(step);
+                    out.push(Action::Report(Report::StepApplied {
+                        step,
+                        included: n,
+                        listed: listed.len() as u32,
+                        missing,
+                    }));
+                    out.push(Action::Apply {
+                        step,
+                        updates: included,
+                    });
+                    let stale: Vec<ContentId> = self
+                        .wants
+                        .iter()
+                        .filter(|(_, w)| w.step <= step)
+                        .map(|(id, _)| *id)
+                        .collect();
+                    for id in stale {
+                        self.resolve_want(id, Verdict::Ignore, out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drop what is older than the kept window.
+    fn prune(&mut self, now: u64, out: &mut Vec<Action>) {
+        let lo = self.lo_step(now);
+        let keep = self.steps.split_off(&lo);
+        let old = std::mem::replace(&mut self.steps, keep);
+        for st in old.values() {
+            for e in st.headers.values() {
+                self.by_blob.remove(&e.header.body.blob);
+            }
+        }
+        let stale: Vec<ContentId> = self
+            .wants
+            .iter()
+            .filter(|(_, w)| w.step < lo)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.resolve_want(id, Verdict::Ignore, out);
+        }
+        let alo = self
+            .run
+            .timing
+            .step_at(now)
+            .saturating_sub(self.run.limits.past_steps as u64 + 2)
+            .min(lo);
+        self.attest = self.attest.split_off(&alo);
+    }
+
+    fn schedule(&mut self, now: u64, out: &mut Vec<Action>) {
+        let t = &self.run.timing;
+        let mut at = t.publish_deadline(self.next_summary);
+        if self.sync == SyncState::Synced {
+            at = at.min(t.step_start(self.next_start));
+            if self.applying.is_none() {
+                let a = t.apply_at(self.version);
+                // While waiting on fetches past apply time, wake at the hard deadline.
+                at = at.min(if a <= now {
+                    a.max(self.synced_at) + t.grace_ms
+                } else {
+                    a
+                });
+            }
+        }
+        if at > now && self.timer != Some(at) {
+            self.timer = Some(at);
+            out.push(Action::SetTimer { at });
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! An in-memory network of engines for tests: a deterministic event queue, flood gossip,
+//! request-response fetches served by the target's engine, and a fake trainer whose parameter
+//! digest is a hash chain over the exact sets it applied (same sets in, same digest out).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use crypto::{ContentId, Digest, Identity, NodeId};
+use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
+use protocol::engine::{Action, Engine, Event};
+use protocol::run::{DataSpec, RunConfig, StepTiming};
+use protocol::sparse::{SparseUpdate, TensorUpdate};
+
+pub const GENESIS: u64 = 1_000_000;
+pub const PERIOD: u64 = 1000;
+
+pub fn tiny_model() -> ModelConfig {
+    ModelConfig {
+        name: "test".into(),
+        vocab: 64,
+        dim: 16,
+        layers: 1,
+        heads: 2,
+        kv_heads: 2,
+        ffn: 32,
+        seq_len: 8,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+    }
+}
+
+/// A run of the tiny model; `inline`: whether blobs ride in the gossip announcement.
+pub fn test_run(inline: bool) -> RunConfig {
+    let optim = OptimConfig {
+        chunk: 8,
+        topk: 2,
+        values: ValueCodec::Sign,
+        ..OptimConfig::default()
+    };
+    let timing = StepTiming {
+        genesis_ms: GENESIS,
+        period_ms: PERIOD,
+        grace_ms: 100,
+        summary_ms: 400,
+    };
+    let mut run = RunConfig::new(
+        "test",
+        tiny_model(),
+        optim,
+        DataSpec::Synthetic { seed: 7, vocab: 64 },
+        timing,
+    );
+    if !inline {
+        run.limits.inline_blob_bytes = 0;
+    }
+    run.validate().unwrap();
+    run
+}
+
+pub fn seed_identity(i: u8) -> Identity {
+    Identity::from_seed([i + 1; 32])
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A valid update of the run's layout, different for each seed.
+pub fn make_update(run: &RunConfig, seed: u64) -> SparseUpdate {
+    let layout = run.layout();
+    let k = run.optim.topk;
+    let tensors = layout
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(ti, t)| {
+            let ke = t.k_eff(k);
+            let elems = t.block_elems();
+            let mut idx = Vec::new();
+            let mut vals = Vec::new();
+            for b in 0..t.blocks() {
+                let start = (mix(seed ^ (ti as u64) << 32 ^ b as u64) % (elems - ke + 1) as u64) as u32;
+                for j in 0..ke as u32 {
+                    idx.push(start + j);
+                    vals.push(if mix(seed + j as u64) & 1 == 0 { 1.0 } else { -1.0 });
+                }
+            }
+            TensorUpdate::from_entries(t, ke, run.optim.values, &idx, &vals)
+        })
+        .collect();
+    SparseUpdate {
+        codec: run.optim.values,
+        tensors,
+    }
+}
+
+pub fn genesis_digest() -> Digest {
+    Digest::of(b"test genesis parameters")
+}
+
+/// The fake trainer's digest after applying `ids` for `step` on `prev`.
+pub fn next_digest(prev: &Digest, step: u64, ids: &[ContentId]) -> Digest {
+    let mut b = prev.0.to_vec();
+    b.extend_from_slice(&step.to_le_bytes());
+    for id in ids {
+        b.extend_from_slice(&id.0);
+    }
+    Digest::of(&b)
+}
+
+pub struct SimNode {
+    pub engine: Engine,
+    pub id: NodeId,
+    pub alive: bool,
+    pub trains: bool,
+    /// (step, included blob ids, digest after)
+    pub applied: Vec<(u64, Vec<ContentId>, Digest)>,
+    pub log: Vec<(u64, Action)>,
+    version: u64,
+    digest: Digest,
+}
+
+pub type DropFn = Box<dyn FnMut(u64, usize, usize, &Event) -> bool>;
+
+pub struct Sim {
+    pub run: RunConfig,
+    pub nodes: Vec<SimNode>,
+    queue: BTreeMap<(u64, u64), (usize, Event)>,
+    seq: u64,
+    pub now: u64,
+    pub latency: u64,
+    pub train_ms: u64,
+    /// Return true to drop the event (time, from, to, event) before delivery.
+    pub drop: DropFn,
+}
+
+impl Sim {
+    pub fn new(run: RunConfig, n: usize) -> Sim {
+        let mut s = Sim {
+            run,
+            nodes: Vec::new(),
+            queue: BTreeMap::new(),
+            seq: 0,
+            now: GENESIS - 500,
+            latency: 10,
+            train_ms: 300,
+            drop: Box::new(|_, _, _, _| false),
+        };
+        for i in 0..n {
+            s.add_node(i as u8, Some(genesis_digest()));
+        }
+        s
+    }
+
+    pub fn index(&self, id: &NodeId) -> Option<usize> {
+        self.nodes.iter().position(|n| n.id == *id)
+    }
+
+    /// Add a node (a joiner when `genesis` is None or it is too late for version 0) and
+    /// connect it to everyone.
+    pub fn add_node(&mut self, i: u8, genesis: Option<Digest>) -> usize {
+        let id = seed_identity(i);
+        let node_id = id.node_id();
+        let engine = Engine::new(self.run.clone(), id, genesis, self.now, 42 + i as u64);
+        let me = self.nodes.len();
+        self.nodes.push(SimNode {
+            engine,
+            id: node_id,
+            alive: true,
+            trains: true,
+            applied: Vec::new(),
+            log: Vec::new(),
+            version: 0,
+            digest: genesis.unwrap_or_default(),
+        });
+        let t = self.now;
+        for j in 0..me {
+            let pj = self.nodes[j].id;
+            self.push(t, me, Event::PeerConnected { peer: pj });
+            self.push(t, j, Event::PeerConnected { peer: node_id });
+        }
+        self.push(t, me, Event::Timer);
+        me
+    }
+
+    pub fn push(&mut self, at: u64, to: usize, ev: Event) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), (to, ev));
+    }
+
+    /// Deliver raw bytes to node `to` as gossip from `from`.
+    pub fn inject(&mut self, at: u64, to: usize, from: NodeId, bytes: Vec<u8>) {
+        let tag = self.seq + 1_000_000;
+        self.push(
+            at,
+            to,
+            Event::Message {
+                from,
+                tag: Some(tag),
+                bytes,
+            },
+        );
+    }
+
+    pub fn run_until(&mut self, end: u64) {
+        while let Some((&(at, seq), _)) = self.queue.iter().next() {
+            if at > end {
+                break;
+            }
+            let (to, ev) = self.queue.remove(&(at, seq)).unwrap();
+            self.now = at;
+            if !self.nodes[to].alive {
+                continue;
+            }
+            let actions = self.nodes[to].engine.handle(ev, at);
+            for a in actions {
+                self.nodes[to].log.push((at, a.clone()));
+                self.act(to, a);
+            }
+        }
+        self.now = end;
+    }
+
+    fn deliver(&mut self, from: usize, to: usize, at: u64, ev: Event) {
+        if !(self.drop)(at, from, to, &ev) {
+            self.push(at, to, ev);
+        }
+    }
+
+    fn act(&mut self, me: usize, a: Action) {
+        let now = self.now;
+        let lat = self.latency;
+        let my_id = self.nodes[me].id;
+        match a {
+            Action::Publish { bytes } => {
+                for j in 0..self.nodes.len() {
+                    if j != me {
+                        let tag = self.seq;
+                        self.deliver(
+                            me,
+                            j,
+                            now + lat,
+                            Event::Message {
+                                from: my_id,
+                                tag: Some(tag),
+                                bytes: bytes.clone(),
+                            },
+                        );
+                    }
+                }
+            }
+            Action::Send { peer, bytes } => {
+                if let Some(j) = self.index(&peer) {
+                    self.deliver(
+                        me,
+                        j,
+                        now + lat,
+                        Event::Message {
+                            from: my_id,
+                            tag: None,
+                            bytes,
+                        },
+                    );
+                }
+            }
+            Action::Fetch { peer, blob } => {
+                let resp = self
+                    .index(&peer)
+                    .filter(|&j| self.nodes[j].alive)
+                    .and_then(|j| self.nodes[j].engine.serve_update(&blob));
+                let ev = match resp {
+                    Some(bytes) => Event::Fetched {
+                        from: peer,
+                        blob,
+                        bytes,
+                    },
+                    None => Event::FetchFailed { from: peer, blob },
+                };
+                let from = self.index(&peer).unwrap_or(me);
+                self.deliver(from, me, now + 2 * lat, ev);
+            }
+            Action::RequestCheckpoint { peers, .. } => {
+                let src = peers
+                    .iter()
+                    .filter_map(|p| self.index(p))
+                    .find(|&j| self.nodes[j].alive && self.nodes[j].engine.status().synced);
+                let ev = match src {
+                    Some(j) => {
+                        let (v, d) = (self.nodes[j].version, self.nodes[j].digest);
+                        self.nodes[me].version = v;
+                        self.nodes[me].digest = d;
+                        Event::CheckpointLoaded { version: v, digest: d }
+                    }
+                    None => Event::CheckpointFailed,
+                };
+                self.push(now + 50, me, ev);
+            }
+            Action::StartStep { step, .. } if self.nodes[me].trains => {
+                let seed = (me as u64) << 32 | step;
+                let blob = make_update(&self.run, seed).encode();
+                self.push(now + self.train_ms, me, Event::LocalUpdate { step, blob, tokens: 32 });
+            }
+            Action::Apply { step, updates } => {
+                let n = &mut self.nodes[me];
+                assert_eq!(n.version, step, "applied out of order");
+                let ids: Vec<ContentId> = updates.iter().map(|u| u.blob).collect();
+                let mut sorted = ids.clone();
+                sorted.sort();
+                assert_eq!(ids, sorted, "apply order must be canonical");
+                n.digest = next_digest(&n.digest, step, &ids);
+                n.version = step + 1;
+                n.applied.push((step, ids, n.digest));
+                let d = n.digest;
+                self.push(now + 5, me, Event::Applied { step, digest: d });
+            }
+            Action::SetTimer { at } => self.push(at, me, Event::Timer),
+            _ => {}
+        }
+    }
+
+    pub fn actions(&self, i: usize) -> impl Iterator<Item = &Action> {
+        self.nodes[i].log.iter().map(|(_, a)| a)
+    }
+
+    /// (step → (ids, digest)) for node i.
+    pub fn history(&self, i: usize) -> BTreeMap<u64, (Vec<ContentId>, Digest)> {
+        self.nodes[i]
+            .applied
+            .iter()
+            .map(|(s, ids, d)| (*s, (ids.clone(), *d)))
+            .collect()
+    }
+}
+
+/// A header for `blob` by `id` for `step`, signed.
+pub fn signed_header(
+    run: &RunConfig,
+    id: &Identity,
+    step: u64,
+    blob: &[u8],
+) -> protocol::wire::Signed<protocol::wire::UpdateHeader> {
+    let h = protocol::wire::UpdateHeader {
+        run: run.run_id(),
+        step,
+        sender: id.node_id(),
+        blob: ContentId::of(blob),
+        blob_len: blob.len() as u64,
+        codec: run.optim.values,
+        topk: run.optim.topk,
+        chunk: run.optim.chunk,
+        tokens: 32,
+        base_version: step.saturating_sub(1),
+        base_digest: Digest::default(),
+    };
+    protocol::wire::Signed::sign(h, id)
+}
+
+/// An Announce frame with the blob inline.
+pub fn announce(run: &RunConfig, id: &Identity, step: u64, blob: &[u8]) -> Vec<u8> {
+    protocol::wire::Message::Announce {
+        header: signed_header(run, id, step, blob),
+        blob: Some(blob.to_vec()),
+    }
+    .encode()
+}
+
+impl SimNode {
+    /// Flip the fake parameters, so the next digests differ from everyone else's.
+    pub fn corrupt(&mut self) {
+        self.digest = Digest::of(b"corrupted");
+    }
+}

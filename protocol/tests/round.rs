@@ -1,0 +1,367 @@
+//! The engine drives rounds among in-memory nodes: updates are published, fetched, validated,
+//! included and applied identically; bad, replayed and equivocating messages are refused with
+//! their typed cause and their senders penalized; laggards repair, joiners catch up.
+
+mod common;
+
+use common::*;
+use crypto::{ContentId, Identity};
+use protocol::engine::{Action, Event, Report};
+use protocol::error::WireError;
+use protocol::sparse::SparseError;
+use protocol::wire::Message;
+
+fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
+    let h0 = sim.history(nodes[0]);
+    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
+    for &i in &nodes[1..] {
+        let h = sim.history(i);
+        for (step, v) in &h0 {
+            if let Some(w) = h.get(step) {
+                assert_eq!(v, w, "node {i} disagrees at step {step}");
+            }
+        }
+        let (last, last0) = (
+            h.keys().next_back().copied().unwrap_or(0),
+            *h0.keys().next_back().unwrap(),
+        );
+        assert!(last + 1 >= last0, "node {i} fell behind: step {last} vs {last0}");
+    }
+}
+
+fn penalized(sim: &Sim, i: usize, who: &crypto::NodeId) -> Vec<WireError> {
+    sim.actions(i)
+        .filter_map(|a| match a {
+            Action::Penalize { peer, reason, .. } if peer == who => Some(reason.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn banned(sim: &Sim, i: usize, who: &crypto::NodeId) -> bool {
+    sim.actions(i)
+        .any(|a| matches!(a, Action::Ban { peer, .. } if peer == who))
+}
+
+#[test]
+fn four_nodes_fetch_validate_and_apply_identically() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2, 3], 6);
+    for (step, (ids, _)) in sim.history(0) {
+        assert_eq!(ids.len(), 4, "step {step} should include every node's update");
+    }
+    for i in 0..4 {
+        let m = sim.nodes[i].engine.metrics();
+        assert!(m.fetches >= 3 * 6, "blobs are fetched when not inline: {m:?}");
+        assert_eq!(m.rejected, 0, "{m:?}");
+        assert!(!sim.actions(i).any(|a| matches!(a, Action::Penalize { .. })));
+    }
+}
+
+#[test]
+fn inline_blobs_need_no_fetch() {
+    let mut sim = Sim::new(test_run(true), 3);
+    sim.run_until(GENESIS + 6 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2], 4);
+    assert_eq!(sim.nodes[0].engine.metrics().fetches, 0);
+    assert!(sim.history(0).values().all(|(ids, _)| ids.len() == 3));
+}
+
+#[test]
+fn same_events_same_actions_byte_for_byte() {
+    let run = |_: ()| {
+        let mut sim = Sim::new(test_run(false), 4);
+        sim.run_until(GENESIS + 5 * PERIOD);
+        sim.nodes.iter().map(|n| format!("{:?}", n.log)).collect::<Vec<_>>()
+    };
+    let a = run(());
+    let b = run(());
+    assert_eq!(a, b);
+    // And the frames themselves, not only their debug form.
+    let frames = |_: ()| {
+        let mut sim = Sim::new(test_run(false), 3);
+        sim.run_until(GENESIS + 3 * PERIOD);
+        sim.nodes[1]
+            .log
+            .iter()
+            .filter_map(|(t, a)| match a {
+                Action::Publish { bytes } => Some((*t, bytes.clone())),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(frames(()), frames(()));
+}
+
+fn rejected_with(sim: &Sim, i: usize, pred: impl Fn(&WireError) -> bool) -> bool {
+    sim.actions(i)
+        .any(|a| matches!(a, Action::Report(Report::Rejected { error, .. }) if pred(error)))
+}
+
+#[test]
+fn malformed_bad_signature_and_invalid_content_are_penalized() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 3);
+    let m = Identity::from_seed([200; 32]);
+    let mid = m.node_id();
+    let t = GENESIS + PERIOD + 100;
+    // 1. garbage
+    sim.inject(t, 0, mid, vec![1, 2, 0xff, 0x00]);
+    // 2. a valid frame whose signature was tampered with
+    let blob = make_update(&run, 999).encode();
+    let mut h = signed_header(&run, &m, 1, &blob);
+    h.raw.sig.0[5] ^= 1;
+    sim.inject(
+        t + 1,
+        0,
+        mid,
+        Message::Announce {
+            header: h,
+            blob: Some(blob.clone()),
+        }
+        .encode(),
+    );
+    // 3. validly signed, but the update repeats an index within a block
+    let mut bad = make_update(&run, 998);
+    let tl = &run.layout().tensors[0];
+    let bits = protocol::sparse::index_bits(tl.block_elems());
+    let n = tl.blocks() * tl.k_eff(run.optim.topk);
+    bad.tensors[0].indices = protocol::sparse::pack_bits(&vec![5u32; n], bits);
+    let bad = bad.encode();
+    sim.inject(t + 2, 1, mid, announce(&run, &m, 1, &bad));
+    // 4. an oversized frame
+    sim.inject(t + 3, 2, mid, vec![1u8; 70 * 1024]);
+    // 5. another run: ignored, not penalized
+    let mut other = run.clone();
+    other.seed = 1234;
+    sim.inject(t + 4, 2, crypto::NodeId([9; 32]), announce(&other, &m, 1, &blob));
+    sim.run_until(GENESIS + 5 * PERIOD);
+
+    assert!(rejected_with(&sim, 0, |e| matches!(
+        e,
+        WireError::Malformed { .. } | WireError::UnknownKind(_)
+    )));
+    assert!(rejected_with(&sim, 0, |e| matches!(e, WireError::BadSignature { .. })));
+    assert!(rejected_with(&sim, 1, |e| matches!(
+        e,
+        WireError::Sparse(SparseError::DuplicateIndex { .. })
+    )));
+    assert!(rejected_with(&sim, 2, |e| matches!(e, WireError::Oversize { .. })));
+    assert!(sim.actions(2).any(|a| matches!(
+        a,
+        Action::Report(Report::Ignored {
+            error: WireError::WrongRun,
+            ..
+        })
+    )));
+    assert!(penalized(&sim, 2, &crypto::NodeId([9; 32])).is_empty());
+    assert_eq!(penalized(&sim, 0, &mid).len(), 2);
+    assert!(matches!(
+        penalized(&sim, 1, &mid)[..],
+        [WireError::Sparse(SparseError::DuplicateIndex { .. })]
+    ));
+    // The honest round is unaffected, and nothing of M's was applied.
+    assert_agree(&sim, &[0, 1, 2], 3);
+    let bad_id = ContentId::of(&bad);
+    assert!(sim
+        .history(1)
+        .values()
+        .all(|(ids, _)| ids.len() == 3 && !ids.contains(&bad_id)));
+}
+
+#[test]
+fn replayed_message_outside_window_is_refused() {
+    let mut sim = Sim::new(test_run(true), 3);
+    sim.run_until(GENESIS + PERIOD);
+    let frame = sim.nodes[1]
+        .log
+        .iter()
+        .find_map(|(_, a)| match a {
+            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::ANNOUNCE => Some(bytes.clone()),
+            _ => None,
+        })
+        .expect("node 1 announced its step-0 update");
+    let relay = crypto::NodeId([7; 32]);
+    sim.run_until(GENESIS + 7 * PERIOD);
+    sim.inject(sim.now, 0, relay, frame.clone());
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert!(rejected_with(&sim, 0, |e| matches!(
+        e,
+        WireError::StepOutOfWindow { step: 0, .. }
+    )));
+    assert!(matches!(
+        penalized(&sim, 0, &relay)[..],
+        [WireError::StepOutOfWindow { .. }]
+    ));
+    // Step 0 was applied once.
+    let h = sim.history(0);
+    let id = match Message::decode(&frame, &sim.run.limits).unwrap() {
+        Message::Announce { header, .. } => header.body.blob,
+        _ => unreachable!(),
+    };
+    assert_eq!(h.values().filter(|(ids, _)| ids.contains(&id)).count(), 1);
+}
+
+#[test]
+fn late_arrival_is_counted_not_applied() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 3);
+    let m = Identity::from_seed([201; 32]);
+    let blob = make_update(&run, 77).encode();
+    // Step 2's deadline is GENESIS + 3·PERIOD + grace; arrive after it.
+    sim.inject(GENESIS + 3 * PERIOD + 150, 0, m.node_id(), announce(&run, &m, 2, &blob));
+    sim.run_until(GENESIS + 6 * PERIOD);
+    assert!(sim.nodes[0].engine.metrics().late >= 1);
+    assert!(sim.actions(0).any(|a| matches!(
+        a,
+        Action::Report(Report::Ignored {
+            error: WireError::Late { step: 2 },
+            ..
+        })
+    )));
+    assert!(penalized(&sim, 0, &m.node_id()).is_empty());
+    assert!(!sim.history(0)[&2].0.contains(&ContentId::of(&blob)));
+    assert_agree(&sim, &[0, 1, 2], 4);
+}
+
+#[test]
+fn equivocation_is_proven_banned_and_excluded_everywhere() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 4);
+    let m = Identity::from_seed([202; 32]);
+    let (a, b) = (make_update(&run, 1001).encode(), make_update(&run, 1002).encode());
+    let t = GENESIS + 2 * PERIOD + 500;
+    sim.inject(t, 0, m.node_id(), announce(&run, &m, 2, &a));
+    sim.inject(t, 1, m.node_id(), announce(&run, &m, 2, &a));
+    sim.inject(t, 2, m.node_id(), announce(&run, &m, 2, &b));
+    sim.inject(t, 3, m.node_id(), announce(&run, &m, 2, &b));
+    sim.run_until(GENESIS + 7 * PERIOD);
+    let (ia, ib) = (ContentId::of(&a), ContentId::of(&b));
+    for i in 0..4 {
+        assert!(banned(&sim, i, &m.node_id()), "node {i} did not ban the equivocator");
+        assert!(penalized(&sim, i, &m.node_id())
+            .iter()
+            .any(|e| matches!(e, WireError::Equivocation { step: 2, .. })));
+        let (ids, _) = &sim.history(i)[&2];
+        assert!(
+            !ids.contains(&ia) && !ids.contains(&ib),
+            "node {i} applied an equivocated update"
+        );
+        assert_eq!(ids.len(), 4);
+    }
+    // Someone published a proof, and it verifies for anyone.
+    let proof = sim
+        .actions(0)
+        .chain(sim.actions(2))
+        .find_map(|a| match a {
+            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::EQUIVOCATION => Some(bytes.clone()),
+            _ => None,
+        })
+        .expect("a proof was published");
+    match Message::decode(&proof, &run.limits).unwrap() {
+        Message::Equivocation(p) => assert_eq!(p.verify(&run.run_id()).unwrap(), (m.node_id(), 2)),
+        _ => unreachable!(),
+    }
+    assert_agree(&sim, &[0, 1, 2, 3], 5);
+}
+
+#[test]
+fn missed_announcements_are_repaired_from_summaries() {
+    let mut sim = Sim::new(test_run(false), 4);
+    // Node 3 never hears node 1's announcements.
+    sim.drop = Box::new(|_, from, to, ev| {
+        from == 1 && to == 3 && matches!(ev, Event::Message { bytes, .. } if bytes[1] == protocol::wire::kind::ANNOUNCE)
+    });
+    sim.run_until(GENESIS + 7 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2, 3], 5);
+    assert!(sim.history(3).values().all(|(ids, _)| ids.len() == 4));
+}
+
+#[test]
+fn a_vanished_peer_does_not_stall_the_round() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 3 * PERIOD + 200);
+    sim.nodes[3].alive = false;
+    sim.run_until(GENESIS + 9 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2], 7);
+    let h = sim.history(0);
+    // Each step is applied at its apply time (no waiting for the dead node).
+    assert!(h[&4].0.len() == 3 && h[&7].0.len() == 3);
+    let applied_at: Vec<u64> = sim.nodes[0]
+        .log
+        .iter()
+        .filter_map(|(t, a)| matches!(a, Action::Apply { step: 5.., .. }).then_some(*t))
+        .collect();
+    for (k, t) in applied_at.iter().enumerate() {
+        let step = 5 + k as u64;
+        assert!(
+            *t <= sim.run.timing.apply_at(step) + sim.run.timing.grace_ms,
+            "step {step} applied at {t}"
+        );
+    }
+}
+
+#[test]
+fn a_joiner_takes_a_checkpoint_and_catches_up() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 3 * PERIOD + 300);
+    let j = sim.add_node(9, None);
+    sim.run_until(GENESIS + 11 * PERIOD);
+    assert!(sim.nodes[j].engine.status().synced);
+    assert!(sim.actions(j).any(|a| matches!(a, Action::RequestCheckpoint { .. })));
+    assert!(
+        sim.history(j).len() >= 4,
+        "joiner applied {:?}",
+        sim.history(j).keys().collect::<Vec<_>>()
+    );
+    assert_agree(&sim, &[0, 1, 2, 3, j], 9);
+    // Once synced it trains too: the last steps include five updates.
+    assert_eq!(sim.history(0)[&9].0.len(), 5);
+}
+
+#[test]
+fn a_node_with_a_wrong_digest_resyncs() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 2 * PERIOD + 700);
+    // Corrupt node 3's parameters (as a mis-rounded apply would).
+    sim.nodes[3].corrupt();
+    sim.run_until(GENESIS + 10 * PERIOD);
+    assert!(sim
+        .actions(3)
+        .any(|a| matches!(a, Action::Report(Report::Desync { .. }))));
+    assert!(sim
+        .actions(3)
+        .any(|a| matches!(a, Action::Report(Report::Synced { .. }))));
+    let (h0, h3) = (sim.history(0), sim.history(3));
+    let last = *h3.keys().next_back().unwrap();
+    assert!(last >= 8);
+    assert_eq!(h0[&last], h3[&last]);
+}
+
+#[test]
+fn early_arrivals_are_buffered_within_their_bound() {
+    let mut run = test_run(true);
+    run.limits.max_early_updates = 3;
+    let mut sim = Sim::new(run.clone(), 2);
+    // During step 1, five Sybils announce updates for step 2 (its window has not opened).
+    let t = GENESIS + PERIOD + 200;
+    let mut ids = Vec::new();
+    for s in 0..5u8 {
+        let m = Identity::from_seed([210 + s; 32]);
+        let blob = make_update(&run, 5000 + s as u64).encode();
+        ids.push(ContentId::of(&blob));
+        sim.inject(t + s as u64, 0, m.node_id(), announce(&run, &m, 2, &blob));
+    }
+    sim.run_until(GENESIS + 6 * PERIOD);
+    let full = sim
+        .actions(0)
+        .filter(|a| matches!(a, Action::Report(Report::Ignored { error: WireError::BufferFull("early updates"), .. })))
+        .count();
+    assert_eq!(full, 2);
+    assert_eq!(sim.nodes[0].engine.metrics().early, 3);
+    // The three buffered ones were applied in step 2, at both nodes (node 1 fetched them).
+    let h = sim.history(1);
+    assert_eq!(h[&2].0.iter().filter(|id| ids.contains(id)).count(), 3);
+    assert_agree(&sim, &[0, 1], 4);
+}

@@ -1,0 +1,237 @@
+//! `swarm train`: N data-parallel replicas in one process, with DeMo (replicas exchange their
+//! sparse updates in memory) or AdamW on the exact mean gradient (all-reduce).
+//!
+//! The replicas of a DeMo run hold bit-identical parameters by construction (every one applies
+//! the same exact sign step), so the process keeps one copy of the weights and one momentum per
+//! replica; each replica computes its own gradient on its own batch.
+
+use crate::adamw::AdamW;
+use crate::data::Corpus;
+use crate::demo::{apply_sign_step, grad_norm, DctCodec, DemoState};
+use crate::model::Llama;
+use crate::TrainError;
+use protocol::config::{lr_at, ModelConfig, OptimConfig};
+use protocol::sparse::{self, Layout, SparseUpdate};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use tch::{Device, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Demo,
+    Adamw,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainOptions {
+    pub model: ModelConfig,
+    pub optimizer: Optimizer,
+    pub replicas: usize,
+    pub steps: u32,
+    /// Sequences per replica per step.
+    pub batch: usize,
+    pub seed: u64,
+    /// DeMo hyperparameters; `lr`, warm-up, schedule and clip are shared with AdamW.
+    pub optim: OptimConfig,
+    /// AdamW's peak rate and weight decay (its own sweep differs from DeMo's sign step).
+    pub adamw_lr: f64,
+    pub adamw_wd: f64,
+    pub eval_every: u32,
+    pub eval_batches: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u32,
+    pub lr: f64,
+    /// Mean train loss over replicas.
+    pub train_loss: f64,
+    pub eval_loss: Option<f64>,
+    /// Bytes one replica sends per step (DeMo: its update once, as over gossip or a relay;
+    /// AdamW: its share of a ring all-reduce of f32 gradients).
+    pub bytes_sent: u64,
+    /// Bytes one replica receives per step (DeMo: every other replica's update).
+    pub bytes_received: u64,
+    /// Seconds, summed over replicas, in forward + backward.
+    pub t_fwd_bwd: f64,
+    /// Seconds, summed over replicas, in momentum + DCT + top-k + packing.
+    pub t_compress: f64,
+    /// Seconds for aggregation + exact decode + apply (done once: every replica would do the
+    /// same work on the same inputs).
+    pub t_apply: f64,
+    pub grad_norm: f64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Report {
+    pub options: TrainOptions,
+    pub data: String,
+    pub params: i64,
+    pub device: String,
+    pub threads: i32,
+    pub loss_floor: Option<f64>,
+    pub update_bytes: Option<u64>,
+    pub steps: Vec<StepRecord>,
+    pub final_eval_loss: f64,
+    pub wall_seconds: f64,
+    /// Per node and step: (compress + aggregate + apply) / (forward + backward).
+    pub codec_fraction: Option<f64>,
+    pub final_digest: String,
+}
+
+/// Mean loss over fixed held-out batches.
+pub fn eval_loss(model: &Llama, corpus: &Corpus, seed: u64, batches: usize, batch: usize) -> f64 {
+    let seq = model.cfg.seq_len as usize;
+    tch::no_grad(|| {
+        let mut s = 0.0;
+        for i in 0..batches {
+            let (x, y) = corpus.batch("eval", seed, b"eval", i as u64, batch, seq, model.device());
+            s += model.loss(&x, &y).double_value(&[]);
+        }
+        s / batches as f64
+    })
+}
+
+fn clip(grads: &mut [Tensor], max: f64) -> f64 {
+    let n = grad_norm(grads);
+    if max > 0.0 && n > max {
+        let s = max / n;
+        tch::no_grad(|| grads.iter_mut().for_each(|g| { let _ = g.g_mul_scalar_(s); }));
+    }
+    n
+}
+
+/// Identity bytes of in-process replica `r` (a real node uses its public key).
+pub fn replica_id(r: usize) -> Vec<u8> {
+    format!("replica-{r}").into_bytes()
+}
+
+pub fn train(
+    opts: &TrainOptions,
+    corpus: &Corpus,
+    device: Device,
+    mut on_step: impl FnMut(&StepRecord),
+) -> Result<(Llama, Report), TrainError> {
+    if opts.replicas == 0 || opts.steps == 0 || opts.batch == 0 {
+        return Err(TrainError::Config("replicas, steps and batch must be at least 1".into()));
+    }
+    if (corpus.vocab() as u32) > opts.model.vocab {
+        return Err(TrainError::Config(format!("data vocabulary {} exceeds the model's {}", corpus.vocab(), opts.model.vocab)));
+    }
+    let start = Instant::now();
+    let model = Llama::new(&opts.model, device, opts.seed);
+    let seq = opts.model.seq_len as usize;
+    let n = opts.replicas;
+    let layout = Layout::for_model(&opts.model, opts.optim.chunk);
+    let o = &opts.optim;
+    let mut records = Vec::with_capacity(opts.steps as usize);
+    let mut update_bytes = None;
+
+    enum Opt {
+        Demo { codec: DctCodec, states: Vec<DemoState> },
+        Adam(AdamW),
+    }
+    let mut opt = match opts.optimizer {
+        Optimizer::Demo => Opt::Demo {
+            codec: DctCodec::new(layout.clone(), device),
+            states: (0..n).map(|_| DemoState::new(&model.params)).collect(),
+        },
+        Optimizer::Adamw => Opt::Adam(AdamW::new(&model.params, opts.adamw_wd)),
+    };
+    let ids: Vec<Vec<u8>> = (0..n).map(replica_id).collect();
+    for step in 0..opts.steps {
+        let mut rec = StepRecord { step, ..Default::default() };
+        match &mut opt {
+            Opt::Demo { codec, states } => {
+                let lr = lr_at(step, o.lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
+                rec.lr = lr;
+                let mut updates: Vec<SparseUpdate> = Vec::with_capacity(n);
+                for r in 0..n {
+                    let t0 = Instant::now();
+                    let (x, y) = corpus.batch("train", opts.seed, &ids[r], step as u64, opts.batch, seq, device);
+                    model.zero_grad();
+                    let loss = model.loss(&x, &y);
+                    loss.backward();
+                    rec.train_loss += loss.double_value(&[]) / n as f64;
+                    let grads = model.grads();
+                    rec.t_fwd_bwd += t0.elapsed().as_secs_f64();
+                    let t1 = Instant::now();
+                    rec.grad_norm += states[r].accumulate(&grads, lr, o) / n as f64;
+                    updates.push(codec.encode(&mut states[r].delta, o.topk, o.values));
+                    rec.t_compress += t1.elapsed().as_secs_f64();
+                }
+                let t2 = Instant::now();
+                let blob = updates[0].encode().len() as u64;
+                update_bytes = Some(blob);
+                rec.bytes_sent = blob;
+                rec.bytes_received = blob * (n as u64 - 1);
+                let refs: Vec<&SparseUpdate> = updates.iter().collect();
+                let agg = sparse::aggregate(&layout, &refs);
+                let signs = codec.exact_sign(&agg);
+                apply_sign_step(&model.params, &signs, lr, o.weight_decay);
+                rec.t_apply = t2.elapsed().as_secs_f64();
+            }
+            Opt::Adam(adam) => {
+                let lr = lr_at(step, opts.adamw_lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
+                rec.lr = lr;
+                let t0 = Instant::now();
+                model.zero_grad();
+                for r in 0..n {
+                    let (x, y) = corpus.batch("train", opts.seed, &ids[r], step as u64, opts.batch, seq, device);
+                    let loss = model.loss(&x, &y);
+                    // Backward of loss/N accumulates the exact mean gradient: all-reduce.
+                    (&loss / n as f64).backward();
+                    rec.train_loss += loss.double_value(&[]) / n as f64;
+                }
+                let mut grads = model.grads();
+                rec.t_fwd_bwd = t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                rec.grad_norm = clip(&mut grads, o.grad_clip);
+                adam.step(&model.params, &grads, lr);
+                rec.t_apply = t1.elapsed().as_secs_f64();
+                // A ring all-reduce sends and receives 2·(N−1)/N of the f32 gradient per node.
+                let b = (2.0 * (n as f64 - 1.0) / n as f64 * 4.0 * model.numel() as f64) as u64;
+                rec.bytes_sent = b;
+                rec.bytes_received = b;
+            }
+        }
+        if opts.eval_every > 0 && (step % opts.eval_every == 0 || step + 1 == opts.steps) {
+            rec.eval_loss = Some(eval_loss(&model, corpus, opts.seed, opts.eval_batches, opts.batch));
+        }
+        on_step(&rec);
+        records.push(rec);
+    }
+    let final_eval_loss = match records.last().and_then(|r| r.eval_loss) {
+        Some(l) => l,
+        None => eval_loss(&model, corpus, opts.seed, opts.eval_batches.max(1), opts.batch),
+    };
+    let codec_fraction = match opts.optimizer {
+        Optimizer::Demo => {
+            let fb: f64 = records.iter().map(|r| r.t_fwd_bwd).sum::<f64>() / n as f64;
+            let cm: f64 = records.iter().map(|r| r.t_compress).sum::<f64>() / n as f64;
+            let ap: f64 = records.iter().map(|r| r.t_apply).sum::<f64>();
+            Some((cm + ap) / fb)
+        }
+        Optimizer::Adamw => None,
+    };
+    let report = Report {
+        options: opts.clone(),
+        data: corpus.describe(),
+        params: model.numel(),
+        device: format!("{device:?}"),
+        threads: tch::get_num_threads(),
+        loss_floor: corpus.loss_floor(seq),
+        update_bytes,
+        steps: records,
+        final_eval_loss,
+        wall_seconds: start.elapsed().as_secs_f64(),
+        codec_fraction,
+        final_digest: hex(&model.digest()),
+    };
+    Ok((model, report))
+}
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
