@@ -76,7 +76,9 @@ fn shapes_of(tensors: &[(String, Tensor)]) -> Vec<(String, Vec<u32>)> {
 pub fn run(c: CodecCmd) -> Result<()> {
     match c {
         CodecCmd::Encode { input, chunk, topk, values, output } => {
-            let tensors = Tensor::read_safetensors(&input).with_context(|| format!("reading {}", input.display()))?;
+            let mut tensors = Tensor::read_safetensors(&input).with_context(|| format!("reading {}", input.display()))?;
+            // The reader's order is not the file's: sort by name so every encode agrees.
+            tensors.sort_by(|a, b| a.0.cmp(&b.0));
             if tensors.is_empty() {
                 bail!("{} holds no tensors", input.display());
             }

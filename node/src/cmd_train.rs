@@ -29,7 +29,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 4)]
     batch: usize,
     /// `synthetic[:VOCAB[:BRANCH[:SEED]]]` (the embedded order-2 Markov-chain corpus with an
-    /// exactly known loss floor; default vocab 64, branch 4, seed 1), a UTF-8 text file
+    /// exactly known loss floor; default vocab 32, branch 4, seed 1), a UTF-8 text file
     /// (byte tokens, or --tokenizer), or a flat token shard (*.bin, *.u16, *.u32).
     #[arg(long, default_value = "synthetic")]
     data: String,

@@ -31,6 +31,16 @@ enum Cmd {
     /// Inspect exactly what the optimizer sends: encode tensors, decode and aggregate updates, sizes.
     #[command(subcommand)]
     Codec(cmd_codec::CodecCmd),
+    /// Create a node identity (an ed25519 key) in a new file, readable only by you.
+    #[command(after_help = "The file is never overwritten. Its node id is the libp2p PeerId of the key.\nExample: swarm keygen --out ~/.swarm/node.key")]
+    Keygen {
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
+    /// Print the node id (libp2p PeerId) of a key file.
+    Id {
+        key: std::path::PathBuf,
+    },
     /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW).
     Plot {
         /// Report files written by `swarm train --report`.
@@ -51,6 +61,21 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Train(a) => cmd_train::run(*a),
         Cmd::Codec(c) => cmd_codec::run(c),
+        Cmd::Keygen { out } => {
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)?;
+            }
+            let id = crypto::Identity::generate()?;
+            id.write_new(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+            println!("{}", id.node_id().peer_id_string());
+            eprintln!("wrote {} (mode 0600)", out.display());
+            Ok(())
+        }
+        Cmd::Id { key } => {
+            let id = crypto::Identity::load(&key).map_err(|e| anyhow::anyhow!("{}: {e}", key.display()))?;
+            println!("{}", id.node_id().peer_id_string());
+            Ok(())
+        }
         Cmd::Plot { reports, out } => {
             let mut loaded = Vec::new();
             for p in &reports {

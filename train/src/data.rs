@@ -158,7 +158,7 @@ pub enum DataSpec {
 
 impl DataSpec {
     pub fn synthetic_default() -> DataSpec {
-        DataSpec::Synthetic { seed: 1, vocab: 64, branch: 4 }
+        DataSpec::Synthetic { seed: 1, vocab: 32, branch: 4 }
     }
 }
 
