@@ -41,7 +41,8 @@ enum Cmd {
     Id {
         key: std::path::PathBuf,
     },
-    /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW).
+    /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW) and print a
+    /// table of their final losses, gaps to the first report and bytes per step.
     Plot {
         /// Report files written by `swarm train --report`.
         #[arg(required = true)]
@@ -85,6 +86,7 @@ fn main() -> anyhow::Result<()> {
                 loaded.push((label, r));
             }
             plot::loss_plot(&loaded, &out)?;
+            plot::summary_table(&loaded);
             println!("wrote {}", out.display());
             Ok(())
         }

@@ -76,3 +76,25 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
 fn short(s: &str) -> String {
     s.split(':').next().unwrap_or(s).chars().take(60).collect()
 }
+
+/// Final eval loss of each report, its distance to the floor and to the first report.
+pub fn summary_table(reports: &[(String, Report)]) {
+    let Some((_, base)) = reports.first() else { return };
+    println!(
+        "{:<24} {:>10} {:>10} {:>9} {:>14} {:>14} {:>9}",
+        "run", "eval loss", "vs floor", "vs first", "sent B/step", "recv B/step", "wall s"
+    );
+    for (label, r) in reports {
+        let last = r.steps.last();
+        println!(
+            "{:<24} {:>10.4} {:>10} {:>+8.2}% {:>14} {:>14} {:>9.1}",
+            label,
+            r.final_eval_loss,
+            r.loss_floor.map(|f| format!("{:+.4}", r.final_eval_loss - f)).unwrap_or("-".into()),
+            (r.final_eval_loss / base.final_eval_loss - 1.0) * 100.0,
+            last.map(|s| s.bytes_sent).unwrap_or(0),
+            last.map(|s| s.bytes_received).unwrap_or(0),
+            r.wall_seconds
+        );
+    }
+}

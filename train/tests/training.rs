@@ -94,6 +94,20 @@ fn text_and_shards_load() {
     assert_eq!(c.vocab(), 256);
     let s = c.sequences("train", 0, b"x", 0, 2, 10);
     assert!(s.iter().all(|q| q.len() == 11 && q.iter().all(|&t| t < 128)));
+    // A HuggingFace tokenizer.json (a word-level model, written by hand).
+    let tok = dir.join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"[UNK]":0,"To":1,"be":2,",":3,"or":4,"not":5,"to":6},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let c = Corpus::open(&DataSpec::Text { path: tp.display().to_string(), tokenizer: Some(tok.display().to_string()) }).unwrap();
+    assert_eq!(c.vocab(), 7);
+    let s = c.sequences("train", 0, b"x", 0, 4, 12);
+    assert!(s.iter().flatten().all(|&t| t < 7));
+    assert!(s.iter().flatten().any(|&t| t == 2), "\"be\" appears");
     for width in [16u32, 32] {
         let toks: Vec<u32> = (0..5000u32).map(|i| (i * 7) % 1000).collect();
         let bytes: Vec<u8> = if width == 16 {
