@@ -203,24 +203,40 @@ impl Llama {
         })
     }
 
-    /// blake3 over every parameter's f32 little-endian bytes, in canonical order: equal
-    /// digests mean bit-identical models.
+    /// The parameter digest of the protocol (`protocol::checkpoint::params_digest`): equal
+    /// digests mean bit-identical models, and it is what summaries and checkpoints carry.
     pub fn digest(&self) -> [u8; 32] {
-        param_digest(&self.params)
+        named_digest(&self.names, &self.params)
     }
 }
 
+/// `protocol::checkpoint::params_digest` of named f32 tensors.
+pub fn named_digest(names: &[String], params: &[Tensor]) -> [u8; 32] {
+    use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
+    let entries: Vec<TensorEntry> = names
+        .iter()
+        .zip(params)
+        .map(|(n, p)| {
+            let c = p.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
+            let len = c.numel();
+            let mut buf = vec![0f32; len];
+            c.view([-1]).copy_data(&mut buf, len);
+            let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
+            TensorEntry {
+                name: n.clone(),
+                shape: p.size().iter().map(|&d| d as u32).collect(),
+                dtype: Dtype::F32,
+                hash: crypto::Digest(*blake3::hash(&bytes).as_bytes()),
+            }
+        })
+        .collect();
+    params_digest(&entries).0
+}
+
+/// Digest of unnamed tensors (names `0`, `1`, …), for tests and tools.
 pub fn param_digest(params: &[Tensor]) -> [u8; 32] {
-    let mut h = blake3::Hasher::new();
-    for p in params {
-        let c = p.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
-        let n = c.numel();
-        let mut buf = vec![0f32; n];
-        c.view([-1]).copy_data(&mut buf, n);
-        let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
-        h.update(&bytes);
-    }
-    *h.finalize().as_bytes()
+    let names: Vec<String> = (0..params.len()).map(|i| i.to_string()).collect();
+    named_digest(&names, params)
 }
 
 fn rope_tables(cfg: &ModelConfig, device: Device) -> (Tensor, Tensor) {
