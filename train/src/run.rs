@@ -119,6 +119,7 @@ pub fn train(
     if (corpus.vocab() as u32) > opts.model.vocab {
         return Err(TrainError::Config(format!("data vocabulary {} exceeds the model's {}", corpus.vocab(), opts.model.vocab)));
     }
+    check_memory(opts, device)?;
     let start = Instant::now();
     let model = Llama::new(&opts.model, device, opts.seed);
     let seq = opts.model.seq_len as usize;
@@ -230,6 +231,46 @@ pub fn train(
         final_digest: hex(&model.digest()),
     };
     Ok((model, report))
+}
+
+/// Bytes of state a run holds: weights, gradients and their copy, plus one momentum per DeMo
+/// replica or AdamW's two moments (activations come on top).
+pub fn state_bytes(opts: &TrainOptions) -> u64 {
+    let p = opts.model.param_count() * 4;
+    let per = match opts.optimizer {
+        Optimizer::Demo => opts.replicas as u64,
+        Optimizer::Adamw => 2,
+    };
+    p * (3 + per)
+}
+
+/// Refuse, with a clear message, a run that cannot fit in this machine's free memory, rather
+/// than being killed by the kernel half-way through allocating.
+fn check_memory(opts: &TrainOptions, device: Device) -> Result<(), TrainError> {
+    if device != Device::Cpu {
+        return Ok(());
+    }
+    let Some(avail) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    }) else {
+        return Ok(());
+    };
+    let need = state_bytes(opts);
+    if need > avail {
+        return Err(TrainError::Config(format!(
+            "{} with {} {:?} replicas needs about {:.1} GB for weights, gradients and optimizer state, \
+             but only {:.1} GB is free; use fewer --replicas, a smaller --model, or --device cuda",
+            opts.model.name,
+            opts.replicas,
+            opts.optimizer,
+            need as f64 / 1e9,
+            avail as f64 / 1e9
+        )));
+    }
+    Ok(())
 }
 
 pub fn hex(b: &[u8]) -> String {
