@@ -42,7 +42,8 @@ enum Cmd {
         key: std::path::PathBuf,
     },
     /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW) and print a
-    /// table of their final losses, gaps to the first report and bytes per step.
+    /// table of their final losses, gaps to the first report and bytes per step; with several
+    /// reports, also OUT-bytes.png: final loss against bytes sent per step.
     Plot {
         /// Report files written by `swarm train --report`.
         #[arg(required = true)]
@@ -88,6 +89,12 @@ fn main() -> anyhow::Result<()> {
             plot::loss_plot(&loaded, &out)?;
             plot::summary_table(&loaded);
             println!("wrote {}", out.display());
+            if loaded.len() > 1 {
+                let stem = out.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+                let bytes = out.with_file_name(format!("{stem}-bytes.png"));
+                plot::bytes_plot(&loaded, &bytes)?;
+                println!("wrote {}", bytes.display());
+            }
             Ok(())
         }
     }

@@ -98,3 +98,51 @@ pub fn summary_table(reports: &[(String, Report)]) {
         );
     }
 }
+
+/// Final eval loss against bytes sent per node per step (log scale), one point per report: the
+/// figure of merit for a compressor is how little it sends for how little loss it gives up.
+pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
+    let pts: Vec<(String, f64, f64)> = reports
+        .iter()
+        .filter_map(|(l, r)| r.steps.last().map(|s| (l.clone(), s.bytes_sent.max(1) as f64, r.final_eval_loss)))
+        .collect();
+    if pts.is_empty() {
+        return Ok(());
+    }
+    let root = BitMapBackend::new(out, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let (xmin, xmax) = pts.iter().fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let mut ys: Vec<f64> = pts.iter().map(|p| p.2).collect();
+    ys.extend(reports.iter().filter_map(|(_, r)| r.loss_floor));
+    let (ymin, ymax) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
+    let pad = 0.08 * (ymax - ymin).max(0.05);
+    let mut chart = ChartBuilder::on(&root)
+        .caption("final eval loss against bytes sent per node per step", ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin / 2.0..xmax * 2.0).log_scale(), (ymin - pad)..(ymax + pad))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("bytes sent per node per step (log)")
+        .y_desc("final eval loss")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(pts.iter().map(|(_, x, y)| Circle::new((*x, *y), 5, BLUE.filled())))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(pts.iter().map(|(l, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 15))))
+        .map_err(|e| anyhow!("{e}"))?;
+    if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
+        chart
+            .draw_series(DashedLineSeries::new(vec![(xmin / 2.0, f), (xmax * 2.0, f)], 8, 6, BLACK.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("loss floor {f:.4}"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(|e| anyhow!("{e}"))?;
+    }
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
