@@ -1,8 +1,12 @@
 //! `swarm`: a permissionless peer-to-peer node for training language models with DisTrO/DeMo.
 
 mod cmd_codec;
+mod cmd_demo;
+mod cmd_sim;
+mod cmd_net;
 mod cmd_train;
 mod plot;
+mod trainer;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +35,8 @@ enum Cmd {
     /// Inspect exactly what the optimizer sends: encode tensors, decode and aggregate updates, sizes.
     #[command(subcommand)]
     Codec(cmd_codec::CodecCmd),
+    /// Run a simulator scenario (sim/scenarios/*.toml): metrics JSON and PNG plots into --out.
+    Sim(cmd_sim::SimArgs),
     /// Create a node identity (an ed25519 key) in a new file, readable only by you.
     #[command(after_help = "The file is never overwritten. Its node id is the libp2p PeerId of the key.\nExample: swarm keygen --out ~/.swarm/node.key")]
     Keygen {
@@ -41,6 +47,13 @@ enum Cmd {
     Id {
         key: std::path::PathBuf,
     },
+    /// Join a run: train with the swarm over libp2p (see `swarm run --help`).
+    Run(Box<cmd_net::RunArgs>),
+    /// Run a discovery-only peer that trainers list as --bootstrap.
+    Bootstrap(cmd_net::BootstrapArgs),
+    /// A whole swarm on this machine: a bootstrap peer and 4 trainers as processes on loopback,
+    /// a live view, then a report (JSON + PNG) beside AdamW + all-reduce.
+    Demo(cmd_demo::DemoArgs),
     /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW) and print a
     /// table of their final losses, gaps to the first report and bytes per step; with several
     /// reports, also OUT-bytes.png: final loss against bytes sent per step.
@@ -63,6 +76,7 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Train(a) => cmd_train::run(*a),
         Cmd::Codec(c) => cmd_codec::run(c),
+        Cmd::Sim(a) => cmd_sim::run(a),
         Cmd::Keygen { out } => {
             if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir)?;
@@ -78,6 +92,9 @@ fn main() -> anyhow::Result<()> {
             println!("{}", id.node_id().peer_id_string());
             Ok(())
         }
+        Cmd::Run(a) => cmd_net::run(*a),
+        Cmd::Bootstrap(a) => cmd_net::bootstrap(a),
+        Cmd::Demo(a) => cmd_demo::run(a),
         Cmd::Plot { reports, out } => {
             let mut loaded = Vec::new();
             for p in &reports {

@@ -1,0 +1,425 @@
+//! `swarm demo`: a whole swarm on this machine. A bootstrap peer and N trainers run as separate
+//! `swarm` processes on loopback (fresh keys, ephemeral ports), train `tiny` on the synthetic
+//! corpus over libp2p, and write one JSON status line per applied step; this process shows them
+//! live, stops them after the requested steps, checks that every node's parameter digest agreed
+//! after every step, and writes a report (JSON + PNG) beside an AdamW + all-reduce run of the
+//! same size.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use crypto::Identity;
+use protocol::run::RunConfig;
+use serde::{Deserialize, Serialize};
+use train::run::{Optimizer, Report, StepRecord, TrainOptions};
+
+use crate::cmd_net::now_ms;
+
+const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
+
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo")]
+pub struct DemoArgs {
+    /// Trainer processes.
+    #[arg(long, default_value_t = 4)]
+    pub trainers: usize,
+    /// Steps to train.
+    #[arg(long, default_value_t = 40)]
+    pub steps: u64,
+    /// Step period (grace and summary windows scale with it).
+    #[arg(long, default_value_t = 2500)]
+    pub period_ms: u64,
+    /// Seconds from now until step 0 (process start, model init, peer discovery).
+    #[arg(long, default_value_t = 10)]
+    pub start_in: u64,
+    /// Report directory (report.json, report.png, and the nodes' keys, logs and status files).
+    #[arg(long, default_value = "runs/demo")]
+    pub out: PathBuf,
+    /// Skip the AdamW + all-reduce baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Fault drill: kill -9 the last trainer once it has applied this step; the others must go
+    /// on and keep agreeing.
+    #[arg(long)]
+    pub kill_at: Option<u64>,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+struct Status {
+    step: u64,
+    loss: Option<f64>,
+    peers: usize,
+    included: usize,
+    update_bytes: u64,
+    bytes_out: u64,
+    bytes_in: u64,
+    train_ms: u64,
+    digest: String,
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    status: PathBuf,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_status(p: &Path) -> Vec<Status> {
+    let Ok(f) = std::fs::File::open(p) else {
+        return Vec::new();
+    };
+    // A line being written may be torn: skip what does not parse.
+    std::io::BufReader::new(f).lines().map_while(|l| l.ok()).filter_map(|l| serde_json::from_str(&l).ok()).collect()
+}
+
+#[derive(Serialize)]
+struct NodeReport {
+    name: String,
+    steps: Vec<Status>,
+}
+
+#[derive(Serialize)]
+struct DemoReport {
+    run_id: String,
+    trainers: usize,
+    steps: u64,
+    period_ms: u64,
+    update_bytes: u64,
+    /// Steps every trainer applied, and whether their digests agreed after each of them.
+    common_steps: usize,
+    digests_agree: bool,
+    first_disagreement: Option<u64>,
+    /// Per trainer and step, averaged over both: bytes sent / received (libp2p counters,
+    /// payload after decryption, all protocols), and sent over the update's own size.
+    mean_bytes_out_per_step: f64,
+    mean_bytes_in_per_step: f64,
+    upload_amplification: f64,
+    mean_train_ms: f64,
+    final_eval_loss: Option<f64>,
+    adamw_final_eval_loss: Option<f64>,
+    adamw_bytes_per_step: Option<u64>,
+    wall_seconds: f64,
+    nodes: Vec<NodeReport>,
+}
+
+pub fn run(a: DemoArgs) -> Result<()> {
+    let start = Instant::now();
+    if a.trainers == 0 || a.steps == 0 {
+        bail!("--trainers and --steps must be at least 1");
+    }
+    let work = a.out.join("work");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).with_context(|| work.display().to_string())?;
+    let exe = std::env::current_exe()?;
+    let mut run: RunConfig = toml::from_str(TINY_LOCAL).context("embedded tiny-local.toml")?;
+    run.timing.period_ms = a.period_ms;
+    run.timing.grace_ms = a.period_ms * 4 / 25;
+    run.timing.summary_ms = a.period_ms * 8 / 25;
+
+    let key = |name: &str| -> Result<PathBuf> {
+        let p = work.join(format!("{name}.key"));
+        Identity::generate()?.write_new(&p).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(p)
+    };
+    let log = |name: &str| -> Result<Stdio> { Ok(std::fs::File::create(work.join(format!("{name}.log")))?.into()) };
+
+    let addr_file = work.join("bootstrap.addr");
+    let boot = Proc {
+        name: "bootstrap".into(),
+        child: Command::new(&exe)
+            .args(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key"])
+            .arg(key("bootstrap")?)
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .stdout(Stdio::null())
+            .stderr(log("bootstrap")?)
+            .spawn()?,
+        status: PathBuf::new(),
+    };
+    let t0 = Instant::now();
+    let boot_addr = loop {
+        if let Some(l) = std::fs::read_to_string(&addr_file).ok().and_then(|s| s.lines().next().map(str::to_string)) {
+            break l;
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("the bootstrap peer did not start; see {}", work.join("bootstrap.log").display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    run.timing.genesis_ms = now_ms() + a.start_in * 1000;
+    run.validate()?;
+    let run_path = work.join("run.toml");
+    std::fs::write(&run_path, toml::to_string(&run)?)?;
+    eprintln!(
+        "swarm demo: {} trainers, {} steps of {} ms, run {}, bootstrap {boot_addr}",
+        a.trainers,
+        a.steps,
+        a.period_ms,
+        &run.run_id().to_hex()[..16]
+    );
+
+    let mut procs = Vec::new();
+    for i in 0..a.trainers {
+        let name = format!("node{i}");
+        let status = work.join(format!("{name}.jsonl"));
+        let child = Command::new(&exe)
+            .args(["run", "--run"])
+            .arg(&run_path)
+            .arg("--key")
+            .arg(key(&name)?)
+            .args(["--bootstrap", &boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu", "--threads", "1"])
+            .args(["--steps", &a.steps.to_string(), "--status"])
+            .arg(&status)
+            .arg("--checkpoint-dir")
+            .arg(work.join(&name))
+            .stdout(Stdio::null())
+            .stderr(log(&name)?)
+            .spawn()?;
+        procs.push(Proc { name, child, status });
+    }
+
+    // Live view until every trainer applied every step (or left), or a generous deadline.
+    let tty = std::io::stderr().is_terminal();
+    let deadline = Duration::from_millis(a.start_in * 1000 + (a.steps + 4) * a.period_ms + 60_000);
+    let mut drawn = 0usize;
+    let mut killed: Option<usize> = None;
+    let procs_names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
+    let mut last_plain = Instant::now() - Duration::from_secs(60);
+    loop {
+        let rows: Vec<Vec<Status>> = procs.iter().map(|p| read_status(&p.status)).collect();
+        if let Some(k) = a.kill_at.filter(|_| killed.is_none()) {
+            let last = procs.len() - 1;
+            if rows[last].last().is_some_and(|s| s.step >= k) {
+                // Child::kill is SIGKILL: no goodbye, exactly like a crash.
+                procs[last].child.kill()?;
+                eprintln!("swarm demo: killed {} (kill -9) after step {k}", procs[last].name);
+                killed = Some(last);
+            }
+        }
+        let done = rows
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != killed)
+            .all(|(_, r)| r.last().is_some_and(|s| s.step + 1 >= a.steps));
+        let mut exited = Vec::new();
+        for p in procs.iter_mut() {
+            if let Ok(Some(st)) = p.child.try_wait().map(|s| s.filter(|_| killed.map(|k| procs_names[k] != p.name).unwrap_or(true))) {
+                exited.push((p.name.clone(), st));
+            }
+        }
+        let mut table = vec![format!("{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  digest", "node", "step", "loss", "peers", "out B/st", "in B/st", "train ms")];
+        for (p, r) in procs.iter().zip(&rows) {
+            match r.last() {
+                Some(s) => table.push(format!(
+                    "{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  {}",
+                    p.name,
+                    s.step,
+                    s.loss.map_or("-".into(), |l| format!("{l:.4}")),
+                    s.peers,
+                    s.bytes_out,
+                    s.bytes_in,
+                    s.train_ms,
+                    &s.digest[..12]
+                )),
+                None => table.push(format!("{:<7} {:>5}", p.name, "(starting)")),
+            }
+        }
+        if tty {
+            let mut e = std::io::stderr().lock();
+            if drawn > 0 {
+                write!(e, "\x1b[{drawn}A")?;
+            }
+            for l in &table {
+                writeln!(e, "\x1b[2K{l}")?;
+            }
+            drawn = table.len();
+        } else if last_plain.elapsed() >= Duration::from_secs(5) || done {
+            for l in &table {
+                eprintln!("{l}");
+            }
+            last_plain = Instant::now();
+        }
+        if done {
+            break;
+        }
+        if let Some((name, st)) = exited.iter().find(|(_, st)| !st.success()) {
+            bail!("{name} exited with {st}; see {}", work.join(format!("{name}.log")).display());
+        }
+        if start.elapsed() > deadline {
+            eprintln!("swarm demo: deadline reached before every trainer finished");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(if tty { 500 } else { 1000 }));
+    }
+    // Let the trainers save their final checkpoints (they leave after lingering two periods).
+    let linger = Instant::now();
+    while linger.elapsed() < Duration::from_millis(3 * a.period_ms + 5000) {
+        if procs.iter_mut().all(|p| matches!(p.child.try_wait(), Ok(Some(_)))) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Only the requested steps: while lingering, trainers keep applying whatever still arrives.
+    let rows: Vec<Vec<Status>> = procs
+        .iter()
+        .map(|p| read_status(&p.status).into_iter().filter(|s| s.step < a.steps).collect())
+        .collect();
+    let names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
+    drop(procs);
+    drop(boot);
+
+    // Digest agreement: every step that every trainer applied.
+    let by_step: Vec<BTreeMap<u64, &Status>> = rows.iter().map(|r| r.iter().map(|s| (s.step, s)).collect()).collect();
+    // Every survivor must hold every step; a killed trainer must agree on the steps it applied.
+    let survivors: Vec<usize> = (0..rows.len()).filter(|i| Some(*i) != killed).collect();
+    let common: Vec<u64> = by_step[0].keys().copied().filter(|k| survivors.iter().all(|&i| by_step[i].contains_key(k))).collect();
+    let first_disagreement = common
+        .iter()
+        .copied()
+        .find(|k| by_step.iter().any(|m| m.get(k).is_some_and(|s| s.digest != by_step[0][k].digest)));
+    let agree = first_disagreement.is_none() && common.len() as u64 >= a.steps;
+
+    let all: Vec<&Status> = rows.iter().flatten().collect();
+    let n = all.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&Status) -> u64| all.iter().map(|s| f(s) as f64).sum::<f64>() / n;
+    let update_bytes = all.iter().map(|s| s.update_bytes).max().unwrap_or(0);
+    let mean_out = mean(&|s| s.bytes_out);
+
+    // The final model, from one trainer's checkpoint, evaluated on held-out data.
+    let spec = crate::trainer::data_spec(&run, None)?;
+    let corpus = train::data::Corpus::open(&spec)?;
+    let mut final_eval = None;
+    if let Some(last) = common.last().filter(|&&l| l + 1 == a.steps) {
+        let ck = work.join(&names[0]).join(format!("v{}.safetensors", a.steps));
+        if ck.exists() {
+            let mut m = train::model::Llama::new(&run.model, tch::Device::Cpu, run.seed);
+            m.load(&ck)?;
+            let want = &by_step[0][last].digest;
+            if train::run::hex(&m.digest()) != *want {
+                bail!("{}: checkpoint digest differs from the one the node reported", ck.display());
+            }
+            final_eval = Some(train::run::eval_loss(&m, &corpus, run.seed, 4, run.batch_seqs as usize));
+        }
+    }
+
+    let opts = TrainOptions {
+        model: run.model.clone(),
+        optimizer: Optimizer::Adamw,
+        replicas: a.trainers,
+        steps: a.steps as u32,
+        batch: run.batch_seqs as usize,
+        seed: run.seed,
+        optim: run.optim.clone(),
+        adamw_lr: 3e-3,
+        adamw_wd: 0.1,
+        eval_every: 0,
+        eval_batches: 4,
+    };
+    let adamw = if a.no_baseline {
+        None
+    } else {
+        eprintln!("swarm demo: AdamW + all-reduce baseline ({} replicas, in process)", a.trainers);
+        Some(train::run::train(&opts, &corpus, tch::Device::Cpu, |_| {})?.1)
+    };
+
+    let report = DemoReport {
+        run_id: run.run_id().to_hex(),
+        trainers: a.trainers,
+        steps: a.steps,
+        period_ms: a.period_ms,
+        update_bytes,
+        common_steps: common.len(),
+        digests_agree: agree,
+        first_disagreement,
+        mean_bytes_out_per_step: mean_out,
+        mean_bytes_in_per_step: mean(&|s| s.bytes_in),
+        upload_amplification: if update_bytes > 0 { mean_out / update_bytes as f64 } else { 0.0 },
+        mean_train_ms: mean(&|s| s.train_ms),
+        final_eval_loss: final_eval,
+        adamw_final_eval_loss: adamw.as_ref().map(|r| r.final_eval_loss),
+        adamw_bytes_per_step: adamw.as_ref().and_then(|r| r.steps.first().map(|s| s.bytes_sent)),
+        wall_seconds: start.elapsed().as_secs_f64(),
+        nodes: names.iter().zip(&rows).map(|(name, r)| NodeReport { name: name.clone(), steps: r.clone() }).collect(),
+    };
+    std::fs::create_dir_all(&a.out)?;
+    let json = a.out.join("report.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
+
+    // Plot: each node's train loss beside the baseline, through the shared report plotters.
+    let mut reports: Vec<(String, Report)> = Vec::new();
+    let base = adamw.clone().unwrap_or_else(|| Report {
+        options: opts.clone(),
+        data: corpus.describe(),
+        params: run.model.param_count() as i64,
+        device: "Cpu".into(),
+        threads: 1,
+        loss_floor: corpus.loss_floor(run.model.seq_len as usize),
+        update_bytes: None,
+        steps: Vec::new(),
+        final_eval_loss: f64::NAN,
+        wall_seconds: 0.0,
+        codec_fraction: None,
+        final_digest: String::new(),
+    });
+    for (name, r) in names.iter().zip(&rows) {
+        let mut rep = base.clone();
+        rep.options.optimizer = Optimizer::Demo;
+        rep.update_bytes = Some(update_bytes);
+        rep.final_eval_loss = final_eval.unwrap_or(f64::NAN);
+        rep.steps = r
+            .iter()
+            .filter_map(|s| {
+                Some(StepRecord {
+                    step: s.step as u32,
+                    train_loss: s.loss?,
+                    bytes_sent: s.bytes_out,
+                    bytes_received: s.bytes_in,
+                    ..Default::default()
+                })
+            })
+            .collect();
+        reports.push((format!("{name} (swarm)"), rep));
+    }
+    if let Some(r) = adamw {
+        reports.push(("adamw all-reduce".into(), r));
+    }
+    let png = a.out.join("report.png");
+    crate::plot::loss_plot(&reports, &png)?;
+    let bytes_png = a.out.join("report-bytes.png");
+    if reports.len() > 1 {
+        crate::plot::bytes_plot(&reports, &bytes_png)?;
+    }
+
+    println!(
+        "digests {} over {} steps; update {} B; per node per step {:.0} B out, {:.0} B in (upload amplification {:.2}x); final eval loss {}{}",
+        if agree { "AGREE" } else { "DISAGREE" },
+        common.len(),
+        update_bytes,
+        mean_out,
+        report.mean_bytes_in_per_step,
+        report.upload_amplification,
+        final_eval.map_or("-".into(), |l| format!("{l:.4}")),
+        report.adamw_final_eval_loss.map_or(String::new(), |l| format!(" (AdamW all-reduce {l:.4})"))
+    );
+    println!("wrote {}, {}", json.display(), png.display());
+    if !agree {
+        bail!(
+            "trainers disagreed (first at step {:?}) or did not all finish {} steps; logs in {}",
+            first_disagreement,
+            a.steps,
+            work.display()
+        );
+    }
+    Ok(())
+}

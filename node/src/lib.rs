@@ -1,0 +1,3 @@
+//! The pieces of the `swarm` node that tests drive in-process: the libp2p networking.
+
+pub mod net;

@@ -1,0 +1,357 @@
+//! Flow mode: the round at thousands of nodes.
+//!
+//! Running a real engine per node costs O(N²) signature checks and decodes per step (every
+//! node verifies every header and every summary), so past a few hundred nodes the simulator
+//! models the engine instead of running it. What is kept exactly: the network model (every
+//! header, fetch request and blob is a message through the per-node link queues), the gossip
+//! mesh with announce-then-fetch (a node forwards a header to its mesh only once it holds and
+//! verified the blob; each receiver fetches the blob from the first neighbour that announced
+//! it; duplicate headers are suppressed but cost their bytes), the step clock, the synthetic
+//! trainer and its real updates. What is modelled: a node includes an update for step t if it
+//! holds the blob by `apply_at(t) + grace` (gossip until the publish deadline, then the
+//! summary-driven repair fetches, merged into one flood); summaries are charged as bytes
+//! (each publisher's summary, 300 B + 33 B per id, times the header duplication factor
+//! measured in the same step) but their timing is assumed to fit in `summary_ms`; the step
+//! applies the set most nodes hold, and a node holding another set counts as desynced (in the
+//! engine it would resync from a checkpoint). No signatures are made or checked.
+//!
+//! Policies (`scenario::Policy`): `all` includes every node's update; `committee` bounds each
+//! node's download at m updates per step (see `Policy::Committee`).
+
+use std::collections::BTreeMap;
+
+use protocol::run::StepTiming;
+use protocol::sparse::{encoded_size, Layout, SparseUpdate};
+
+use crate::metrics::{finish, quantile, Metrics, StepMetrics};
+use crate::net::{Network, Partition};
+use crate::queue::{EventQueue, Micros};
+use crate::rng::{derive, mix};
+use crate::scenario::{Fault, Policy, Scenario};
+use crate::synth::{AdamBaseline, Synthetic, Trainer};
+
+const NONE: Micros = Micros::MAX;
+
+enum Fe {
+    Start(u64),
+    Ready { t: u64, b: usize },
+    Header { t: u64, b: usize, node: usize, from: usize },
+    Req { t: u64, b: usize, server: usize, client: usize, tries: u8 },
+    Blob { t: u64, b: usize, node: usize },
+    Finalize(u64),
+    Mark(u64),
+    Fault(usize),
+    Recover(usize),
+}
+
+struct StepState {
+    members: Vec<usize>,
+    updates: Vec<SparseUpdate>,
+    /// node × member: when the blob was in hand (NONE: not yet), and whether it was asked for.
+    arrival: Vec<Micros>,
+    asked: Vec<bool>,
+    headers: u64,
+}
+
+struct Row {
+    applied: u32,
+    agree: f64,
+    produced: u32,
+    included: Vec<u32>,
+    latency: Vec<f64>,
+    loss: f64,
+}
+
+pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
+    let model = sc.model.config();
+    let optim = sc.optim.config(sc.steps);
+    let layout = Layout::for_model(&model, optim.chunk);
+    let actual = encoded_size(&layout, optim.topk, optim.values) as u64;
+    let blob_bytes = if sc.model.wire_blob_bytes > 0 { sc.model.wire_blob_bytes } else { actual };
+    let mut trainer = Synthetic::new(layout, optim, sc.optim.noise, sc.seed);
+    let classes = sc.node_classes();
+    let n = classes.len();
+    let compute: Vec<u64> = classes.iter().map(|&c| sc.classes[c].compute_ms * 1000).collect();
+    let mut net = Network::new(classes.iter().map(|&c| sc.classes[c].link.clone()).collect(), sc.seed);
+    let timing = StepTiming {
+        genesis_ms: 10_000,
+        period_ms: sc.timing.period_ms,
+        grace_ms: sc.timing.grace_ms,
+        summary_ms: sc.timing.summary_ms,
+    };
+    let us = |ms: u64| ms * 1000;
+    // Mesh, as in engine mode: mesh_degree/2 random links per node, both directions.
+    let mut rng = derive(&[sc.seed, 0x6d657368]);
+    let mut mesh: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let half = sc.gossip.mesh_degree.div_ceil(2).min(n.saturating_sub(1));
+    for i in 0..n {
+        let mut added = 0;
+        let mut tries = 0;
+        while added < half && tries < 50 * half {
+            tries += 1;
+            let j = rng.below(n as u64) as usize;
+            if j != i && !mesh[i].contains(&j) {
+                mesh[i].push(j);
+                mesh[j].push(i);
+                added += 1;
+            }
+        }
+    }
+    for m in &mut mesh {
+        m.sort_unstable();
+    }
+    let mut q: EventQueue<Fe> = EventQueue::new(us(timing.genesis_ms));
+    for s in 0..sc.steps {
+        q.push(us(timing.step_start(s)), Fe::Start(s));
+        q.push(us(timing.apply_at(s) + timing.grace_ms), Fe::Finalize(s));
+    }
+    for s in 0..=sc.steps {
+        q.push(us(timing.step_start(s)), Fe::Mark(s));
+    }
+    for (fi, f) in sc.faults.iter().enumerate() {
+        let at = match f {
+            Fault::Crash { at_step, offset_ms, .. } => timing.step_start(*at_step) + offset_ms,
+            Fault::Partition { at_step, .. } | Fault::Degrade { at_step, .. } | Fault::Join { at_step, .. } => {
+                timing.step_start(*at_step)
+            }
+        };
+        q.push(us(at), Fe::Fault(fi));
+    }
+    let mut alive = vec![true; n];
+    let mut reputation = vec![0u64; n];
+    let mut params = trainer.init();
+    let initial_loss = trainer.loss(&params);
+    let mut steps: BTreeMap<u64, StepState> = BTreeMap::new();
+    let mut rows: BTreeMap<u64, Row> = BTreeMap::new();
+    let mut bytes: Vec<(Vec<u64>, Vec<u64>, Vec<bool>)> = Vec::new();
+    let mut desyncs = 0u64;
+    let mut events = 0u64;
+    let timeout = us(sc.gossip.fetch_timeout_ms);
+    while let Some((now, ev)) = q.pop() {
+        events += 1;
+        match ev {
+            Fe::Mark(s) => {
+                if s > 0 {
+                    let (u, d) = net.take_counters();
+                    bytes.push((u, d, alive.clone()));
+                }
+                progress(s, sc.steps);
+            }
+            Fe::Fault(fi) => match &sc.faults[fi] {
+                Fault::Crash { node, recover_step, .. } if *node < n => {
+                    alive[*node] = false;
+                    reputation[*node] = 0;
+                    net.set_down(*node, true, now);
+                    trainer.reset_node(*node);
+                    if let Some(r) = recover_step {
+                        // Recovery: back online at the start of step r (the checkpoint download
+                        // is not modelled here); reputation starts from zero.
+                        q.push(us(timing.step_start(*r)), Fe::Recover(*node));
+                    }
+                }
+                Fault::Partition { heal_step, lo, hi, .. } => net.partitions.push(Partition {
+                    from: now,
+                    until: us(timing.step_start(*heal_step)),
+                    lo: *lo,
+                    hi: *hi,
+                }),
+                Fault::Degrade { node, factor, .. } if *node < n => {
+                    net.links[*node].up_mbit *= factor;
+                    net.links[*node].down_mbit *= factor;
+                }
+                _ => {}
+            },
+            Fe::Recover(node) => {
+                if node < n {
+                    alive[node] = true;
+                    net.set_down(node, false, now);
+                }
+            }
+            Fe::Start(t) => {
+                let live: Vec<usize> = (0..n).filter(|&i| alive[i]).collect();
+                let members: Vec<usize> = match &sc.flow.policy {
+                    Policy::All => live.clone(),
+                    Policy::Committee { m, min_reputation } => {
+                        let mut c: Vec<usize> = live.iter().copied().filter(|&i| reputation[i] >= *min_reputation).collect();
+                        if c.len() < *m {
+                            // Too few reputable nodes (the run's first steps): everyone is eligible.
+                            c = live.clone();
+                        }
+                        c.sort_by_key(|&i| mix(sc.seed ^ mix(t ^ mix(i as u64))));
+                        c.truncate(*m);
+                        c.sort_unstable();
+                        c
+                    }
+                };
+                let mut updates = Vec::with_capacity(members.len());
+                let mut mi = 0;
+                for &i in &live {
+                    if mi < members.len() && members[mi] == i {
+                        updates.push(trainer.local_update(i, t, &params));
+                        q.push(now + compute[i], Fe::Ready { t, b: mi });
+                        mi += 1;
+                    } else {
+                        trainer.accumulate(i, t, &params);
+                    }
+                }
+                let c = members.len();
+                steps.insert(t, StepState { members, updates, arrival: vec![NONE; n * c], asked: vec![false; n * c], headers: 0 });
+            }
+            Fe::Ready { t, b } => {
+                let st = steps.get_mut(&t).expect("live step");
+                let node = st.members[b];
+                if alive[node] && now <= us(timing.publish_deadline(t)) {
+                    q.push(now, Fe::Blob { t, b, node });
+                }
+            }
+            Fe::Blob { t, b, node } => {
+                let Some(st) = steps.get_mut(&t) else { continue };
+                let c = st.members.len();
+                if !alive[node] || st.arrival[node * c + b] != NONE {
+                    continue;
+                }
+                st.arrival[node * c + b] = now;
+                st.asked[node * c + b] = true;
+                // Verified: announce to the mesh.
+                for &p in &mesh[node] {
+                    if let Ok(at) = net.send(node, p, sc.flow.header_bytes, now) {
+                        q.push(at, Fe::Header { t, b, node: p, from: node });
+                    }
+                }
+            }
+            Fe::Header { t, b, node, from } => {
+                let Some(st) = steps.get_mut(&t) else { continue };
+                let c = st.members.len();
+                st.headers += 1;
+                if !alive[node] || st.asked[node * c + b] {
+                    continue;
+                }
+                st.asked[node * c + b] = true;
+                if let Ok(at) = net.send(node, from, sc.gossip.request_bytes, now) {
+                    q.push(at, Fe::Req { t, b, server: from, client: node, tries: 0 });
+                } else {
+                    q.push(now + timeout, Fe::Req { t, b, server: from, client: node, tries: 1 });
+                }
+            }
+            Fe::Req { t, b, server, client, tries } => {
+                if !steps.contains_key(&t) || !alive[client] {
+                    continue;
+                }
+                match net.send(server, client, blob_bytes, now) {
+                    Ok(at) => q.push(at, Fe::Blob { t, b, node: client }),
+                    Err(_) if tries < 3 => q.push(now + timeout, Fe::Req { t, b, server, client, tries: tries + 1 }),
+                    Err(_) => {}
+                }
+            }
+            Fe::Finalize(t) => {
+                let st = steps.remove(&t).expect("live step");
+                let c = st.members.len();
+                let start = us(timing.step_start(t));
+                let mut sets: BTreeMap<Vec<bool>, u32> = BTreeMap::new();
+                let mut held = Vec::new();
+                let mut row = Row { applied: 0, agree: 0.0, produced: c as u32, included: Vec::new(), latency: Vec::new(), loss: 0.0 };
+                for i in 0..n {
+                    if !alive[i] {
+                        held.push(Vec::new());
+                        continue;
+                    }
+                    let a = &st.arrival[i * c..(i + 1) * c];
+                    let set: Vec<bool> = a.iter().map(|&x| x != NONE).collect();
+                    row.included.push(set.iter().filter(|&&x| x).count() as u32);
+                    if let Some(&last) = a.iter().filter(|&&x| x != NONE).max() {
+                        row.latency.push(last.saturating_sub(start) as f64 / 1000.0);
+                    }
+                    *sets.entry(set.clone()).or_default() += 1;
+                    held.push(set);
+                    row.applied += 1;
+                }
+                let best = sets.iter().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0))).map(|(s, k)| (s.clone(), *k));
+                if let Some((set, k)) = best {
+                    row.agree = k as f64 / row.applied.max(1) as f64;
+                    let ups: Vec<SparseUpdate> = (0..c).filter(|&b| set[b]).map(|b| st.updates[b].clone()).collect();
+                    params = trainer.apply(t, &params, &ups);
+                    for i in 0..n {
+                        if alive[i] {
+                            if held[i] == set {
+                                reputation[i] += 1;
+                            } else {
+                                reputation[i] = 0;
+                                desyncs += 1;
+                            }
+                        }
+                    }
+                }
+                row.loss = trainer.loss(&params);
+                // Summaries: bytes only, at the duplication factor headers showed this step.
+                let publishers = match sc.flow.policy {
+                    Policy::All => row.applied as u64,
+                    Policy::Committee { .. } => c as u64,
+                };
+                let live = row.applied.max(1) as u64;
+                let dup = if c > 0 { st.headers as f64 / (c as f64 * live as f64) } else { 1.0 };
+                let per = ((sc.flow.summary_bytes + 33 * c as u64) as f64 * publishers as f64 * dup.max(1.0)) as u64;
+                for i in 0..n {
+                    if alive[i] {
+                        net.up_bytes[i] += per;
+                        net.down_bytes[i] += per;
+                    }
+                }
+                rows.insert(t, row);
+            }
+        }
+    }
+    // Rows → metrics, with the baseline alongside.
+    let mut base = AdamBaseline::new(trainer.init(), sc.optim.adamw_lr, 0.0);
+    let mut all_lat = Vec::new();
+    let mut out = Vec::new();
+    for s in 0..sc.steps {
+        base.step(&trainer, s, n);
+        let Some(mut r) = rows.remove(&s) else { continue };
+        all_lat.extend(r.latency.iter().copied());
+        let (mut um, mut ux, mut dm, mut dx) = (0.0, 0, 0.0, 0);
+        if let Some((u, d, a)) = bytes.get(s as usize) {
+            let live: Vec<usize> = (0..a.len()).filter(|&i| a[i]).collect();
+            let k = live.len().max(1) as f64;
+            um = live.iter().map(|&i| u[i] as f64).sum::<f64>() / k;
+            dm = live.iter().map(|&i| d[i] as f64).sum::<f64>() / k;
+            ux = live.iter().map(|&i| u[i]).max().unwrap_or(0);
+            dx = live.iter().map(|&i| d[i]).max().unwrap_or(0);
+        }
+        let im = r.included.iter().sum::<u32>() as f64 / r.included.len().max(1) as f64;
+        out.push(StepMetrics {
+            step: s,
+            loss: Some(r.loss),
+            baseline_loss: trainer.loss(&base.params),
+            applied_nodes: r.applied,
+            agree: r.agree,
+            produced: r.produced,
+            included_mean: im,
+            included_min: r.included.iter().copied().min().unwrap_or(0),
+            included_max: r.included.iter().copied().max().unwrap_or(0),
+            excluded_mean: (r.produced as f64 - im).max(0.0),
+            up_mean: um,
+            up_max: ux,
+            down_mean: dm,
+            down_max: dx,
+            latency_p50_ms: quantile(&mut r.latency, 0.5),
+            latency_p90_ms: quantile(&mut r.latency, 0.9),
+            latency_max_ms: quantile(&mut r.latency, 1.0),
+        });
+    }
+    let mut m = Metrics {
+        scenario: sc.name.clone(),
+        mode: "flow".into(),
+        seed: sc.seed,
+        nodes: n,
+        update_bytes: blob_bytes,
+        steps: out,
+        ..Default::default()
+    };
+    m.totals.initial_loss = initial_loss;
+    m.totals.desyncs = desyncs;
+    m.totals.messages = net.messages;
+    m.totals.lost = net.lost;
+    m.totals.events = events;
+    finish(&mut m, &mut all_lat);
+    m
+}

@@ -1,0 +1,339 @@
+//! Scenario files (TOML): who the nodes are, their links, the run's timing and optimizer, the
+//! faults and attackers, and which model of the network to run. See `sim/scenarios/*.toml`.
+
+use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
+use serde::{Deserialize, Serialize};
+
+use crate::net::LinkProfile;
+use crate::SimError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A real `protocol::engine::Engine` per node, real signed frames, the gossip model.
+    Engine,
+    /// The flow model for thousands of nodes (see `flow`): same network model and trainer,
+    /// the engine's inclusion rule applied per node, no per-message cryptography.
+    Flow,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timing {
+    pub period_ms: u64,
+    pub grace_ms: u64,
+    pub summary_ms: u64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing { period_ms: 2000, grace_ms: 300, summary_ms: 700 }
+    }
+}
+
+/// The model whose layout the synthetic trainer's updates have.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSpec {
+    pub vocab: u32,
+    pub dim: u32,
+    pub layers: u32,
+    pub heads: u32,
+    pub ffn: u32,
+    /// Bytes each update blob is charged on the wire. 0: its real encoded size. Set it to
+    /// model a large model's update (e.g. 1.92 MB for `1.2b`) while the trainer and the engine
+    /// work on this small layout: the blob bytes are modelled, not materialized.
+    pub wire_blob_bytes: u64,
+    /// Bytes of a checkpoint download (0: the parameters as f32).
+    pub checkpoint_bytes: u64,
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        ModelSpec { vocab: 64, dim: 32, layers: 1, heads: 2, ffn: 64, wire_blob_bytes: 0, checkpoint_bytes: 0 }
+    }
+}
+
+impl ModelSpec {
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig {
+            name: "sim".into(),
+            vocab: self.vocab,
+            dim: self.dim,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.heads,
+            ffn: self.ffn,
+            seq_len: 16,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Optim {
+    pub chunk: u32,
+    pub topk: u32,
+    pub beta: f64,
+    /// Sign-step size (DeMo) at its peak.
+    pub lr: f64,
+    pub warmup_steps: u32,
+    /// Cosine length (0: the scenario's step count).
+    pub total_steps: u32,
+    /// Standard deviation of each node's gradient noise (the synthetic objective).
+    pub noise: f32,
+    /// The AdamW baseline's peak rate.
+    pub adamw_lr: f64,
+}
+
+impl Default for Optim {
+    fn default() -> Self {
+        Optim { chunk: 8, topk: 2, beta: 0.9, lr: 0.05, warmup_steps: 0, total_steps: 0, noise: 1.0, adamw_lr: 0.05 }
+    }
+}
+
+impl Optim {
+    pub fn config(&self, steps: u64) -> OptimConfig {
+        OptimConfig {
+            chunk: self.chunk,
+            topk: self.topk,
+            values: ValueCodec::Sign,
+            beta: self.beta,
+            lr: self.lr,
+            weight_decay: 0.0,
+            warmup_steps: self.warmup_steps,
+            total_steps: if self.total_steps == 0 { steps as u32 } else { self.total_steps },
+            min_lr_ratio: 0.1,
+            grad_clip: 0.0,
+        }
+    }
+}
+
+/// The gossip layer's parameters, with the real node's settings they stand for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Gossip {
+    /// Mesh degree (gossipsub `mesh_n`, default 6; `mesh_n_low` 5 / `mesh_n_high` 12 are not
+    /// modelled: the mesh is fixed, joiners graft to `mesh_degree` random live peers).
+    pub mesh_degree: usize,
+    /// Request-response timeout for a fetch that got no answer (lost, partitioned, dead peer).
+    pub fetch_timeout_ms: u64,
+    /// Bytes of a fetch request (request-response framing + the 32-byte blob id).
+    pub request_bytes: u64,
+}
+
+impl Default for Gossip {
+    fn default() -> Self {
+        Gossip { mesh_degree: 6, fetch_timeout_ms: 2000, request_bytes: 96 }
+    }
+}
+
+/// A group of alike nodes.
+// No deny_unknown_fields here: serde does not support it together with `flatten`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeClass {
+    #[serde(default = "one")]
+    pub count: usize,
+    #[serde(flatten)]
+    pub link: LinkProfile,
+    /// Virtual time one training step takes on this node.
+    #[serde(default = "train_ms")]
+    pub compute_ms: u64,
+}
+
+fn one() -> usize {
+    1
+}
+fn train_ms() -> u64 {
+    500
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Fault {
+    /// Node `node` crashes at the start of `at_step` (+ `offset_ms`); with `recover_step`, it
+    /// restarts then as a fresh process and joins through a checkpoint.
+    Crash {
+        node: usize,
+        at_step: u64,
+        #[serde(default)]
+        offset_ms: u64,
+        #[serde(default)]
+        recover_step: Option<u64>,
+    },
+    /// `count` new nodes of class `class` join at `at_step`.
+    Join {
+        at_step: u64,
+        #[serde(default = "one")]
+        count: usize,
+        #[serde(default)]
+        class: usize,
+    },
+    /// Nodes `[lo, hi)` are cut off from the rest from `at_step` until `heal_step`.
+    Partition { at_step: u64, heal_step: u64, lo: usize, hi: usize },
+    /// Node `node`'s link rates are multiplied by `factor` and its training slowed by
+    /// `slowdown` from `at_step` on.
+    Degrade {
+        node: usize,
+        at_step: u64,
+        #[serde(default = "unit")]
+        factor: f64,
+        #[serde(default = "unit")]
+        slowdown: f64,
+    },
+}
+
+fn unit() -> f64 {
+    1.0
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Attacker {
+    /// Announces its update but never serves the blob (withholding).
+    Withhold { nodes: Vec<usize> },
+    /// Trains but publishes nothing (a free rider, or a dead trainer behind a live relay).
+    Silent { nodes: Vec<usize> },
+}
+
+/// Which updates a step includes, in the flow model (the engine mode always includes all).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Policy {
+    /// Every node's update: per-node download grows as (N−1)·update.
+    All,
+    /// A committee of `m` per step: the reputable nodes (online and in sync for at least
+    /// `min_reputation` steps) ordered by a per-step hash, so the seats rotate evenly. Only its
+    /// members publish updates and summaries; everyone else keeps training (their momentum
+    /// keeps what they have not sent, as DeMo's decoupling does) and downloads m updates.
+    Committee {
+        m: usize,
+        #[serde(default = "min_rep")]
+        min_reputation: u64,
+    },
+}
+
+fn min_rep() -> u64 {
+    2
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Flow {
+    pub policy: Policy,
+    /// Bytes of a signed header announcement and of a summary's fixed part (+33 per id).
+    pub header_bytes: u64,
+    pub summary_bytes: u64,
+}
+
+impl Default for Flow {
+    fn default() -> Self {
+        Flow { policy: Policy::All, header_bytes: 330, summary_bytes: 300 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scenario {
+    pub name: String,
+    pub description: String,
+    pub mode: Mode,
+    pub seed: u64,
+    pub steps: u64,
+    pub timing: Timing,
+    pub model: ModelSpec,
+    pub optim: Optim,
+    pub gossip: Gossip,
+    pub flow: Flow,
+    #[serde(rename = "class")]
+    pub classes: Vec<NodeClass>,
+    #[serde(rename = "fault")]
+    pub faults: Vec<Fault>,
+    #[serde(rename = "attacker")]
+    pub attackers: Vec<Attacker>,
+    /// Run the scenario once per node count listed here (the first class takes the count):
+    /// the scale sweep. Empty: run it as written.
+    pub sweep: Vec<usize>,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Scenario {
+            name: "default".into(),
+            description: String::new(),
+            mode: Mode::Engine,
+            seed: 1,
+            steps: 20,
+            timing: Timing::default(),
+            model: ModelSpec::default(),
+            optim: Optim::default(),
+            gossip: Gossip::default(),
+            flow: Flow::default(),
+            classes: vec![NodeClass { count: 8, link: LinkProfile::default(), compute_ms: 500 }],
+            faults: Vec::new(),
+            attackers: Vec::new(),
+            sweep: Vec::new(),
+        }
+    }
+}
+
+impl Scenario {
+    pub fn from_toml(text: &str) -> Result<Scenario, SimError> {
+        let s: Scenario = toml::from_str(text).map_err(|e| SimError::Scenario(e.to_string()))?;
+        s.check()?;
+        Ok(s)
+    }
+
+    pub fn load(path: &std::path::Path) -> Result<Scenario, SimError> {
+        let text = std::fs::read_to_string(path).map_err(|e| SimError::Io(format!("{}: {e}", path.display())))?;
+        Self::from_toml(&text)
+    }
+
+    /// This scenario with `n` nodes in its first class (one point of a sweep).
+    pub fn with_nodes(&self, n: usize) -> Scenario {
+        let mut s = self.clone();
+        let others: usize = s.classes.iter().skip(1).map(|c| c.count).sum();
+        s.classes[0].count = n.saturating_sub(others).max(1);
+        s.name = format!("{}-n{}", self.name, n);
+        s.sweep.clear();
+        s
+    }
+
+    /// Initial node count.
+    pub fn nodes(&self) -> usize {
+        self.classes.iter().map(|c| c.count).sum()
+    }
+
+    /// Class of each initial node, in order.
+    pub fn node_classes(&self) -> Vec<usize> {
+        self.classes.iter().enumerate().flat_map(|(i, c)| std::iter::repeat_n(i, c.count)).collect()
+    }
+
+    pub fn check(&self) -> Result<(), SimError> {
+        let bad = |m: String| Err(SimError::Scenario(m));
+        if self.nodes() == 0 {
+            return bad("no nodes: add a [[class]] with count > 0".into());
+        }
+        if self.steps == 0 {
+            return bad("steps must be at least 1".into());
+        }
+        let t = &self.timing;
+        if t.period_ms == 0 || t.grace_ms + t.summary_ms > t.period_ms {
+            return bad(format!("timing: grace ({}) + summary ({}) must fit in period ({})", t.grace_ms, t.summary_ms, t.period_ms));
+        }
+        let most = self.sweep.iter().copied().max().unwrap_or(0).max(self.nodes());
+        if self.mode == Mode::Engine && most > 250 {
+            return bad("engine mode: at most 250 nodes (the run's max_updates_per_step is 256); use mode = \"flow\"".into());
+        }
+        for f in &self.faults {
+            if let Fault::Join { class, .. } = f {
+                if *class >= self.classes.len() {
+                    return bad(format!("join: no class {class}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
