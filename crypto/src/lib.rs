@@ -23,7 +23,10 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum CryptoError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}: already exists, refusing to overwrite a key file")]
     Exists(PathBuf),
     #[error("{path}: not a swarm key file: {reason}")]
@@ -72,7 +75,9 @@ pub fn from_hex(s: &str) -> Result<Vec<u8>, CryptoError> {
             _ => Err(CryptoError::BadHex("non-hex character")),
         }
     };
-    s.chunks(2).map(|p| Ok(nib(p[0])? << 4 | nib(p[1])?)).collect()
+    s.chunks(2)
+        .map(|p| Ok(nib(p[0])? << 4 | nib(p[1])?))
+        .collect()
 }
 
 const B58: &[u8; 58] = b"123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz";
@@ -257,7 +262,9 @@ impl NodeId {
 
     pub fn from_peer_id_bytes(b: &[u8]) -> Result<NodeId, CryptoError> {
         if b.len() != 38 || b[..6] != PEER_ID_PREFIX {
-            return Err(CryptoError::BadPeerId("not an identity-multihashed ed25519 key"));
+            return Err(CryptoError::BadPeerId(
+                "not an identity-multihashed ed25519 key",
+            ));
         }
         Ok(NodeId(b[6..].try_into().expect("length checked")))
     }
@@ -473,7 +480,12 @@ mod tests {
         assert_eq!(base58_encode(&[0, 0, 1]), "112");
         // "hello world" in base58btc (a standard example of the alphabet).
         assert_eq!(base58_encode(b"hello world"), "StV1DL6CwTryKyV");
-        for v in [vec![], vec![0u8], vec![0, 0, 255], (0..=255u8).collect::<Vec<_>>()] {
+        for v in [
+            vec![],
+            vec![0u8],
+            vec![0, 0, 255],
+            (0..=255u8).collect::<Vec<_>>(),
+        ] {
             assert_eq!(base58_decode(&base58_encode(&v)).unwrap(), v);
         }
         assert!(base58_decode("0OIl").is_none());
@@ -482,10 +494,11 @@ mod tests {
     #[test]
     fn peer_id_known_vector() {
         // The RFC 8032 test 1 key: secret 9d61b1…7f60, public d75a98…511a.
-        let seed: [u8; 32] = from_hex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
-            .unwrap()
-            .try_into()
-            .unwrap();
+        let seed: [u8; 32] =
+            from_hex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+                .unwrap()
+                .try_into()
+                .unwrap();
         let id = Identity::from_seed(seed).node_id();
         assert_eq!(
             to_hex(id.as_bytes()),
@@ -500,7 +513,9 @@ mod tests {
         assert!(pid.starts_with("12D3KooW"), "{pid}");
         assert_eq!(pid, "12D3KooWQK1wnefoLrcVHbbnf5tLzbopUd3K3bFAoJpA7YJgL5pV");
         assert_eq!(NodeId::from_peer_id_str(&pid).unwrap(), id);
-        assert!(NodeId::from_peer_id_str("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N").is_err());
+        assert!(
+            NodeId::from_peer_id_str("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N").is_err()
+        );
     }
 
     #[test]
@@ -545,10 +560,11 @@ mod tests {
         // s + L (the group order) verifies under lax rules but not strict ones.
         let a = Identity::from_seed([3; 32]);
         let sig = a.sign(D, b"x");
-        let l: [u8; 32] = from_hex("edd3f55c1a631258d69cf7a2def9de1400000000000000000000000000000010")
-            .unwrap()
-            .try_into()
-            .unwrap();
+        let l: [u8; 32] =
+            from_hex("edd3f55c1a631258d69cf7a2def9de1400000000000000000000000000000010")
+                .unwrap()
+                .try_into()
+                .unwrap();
         let mut s = [0u8; 32];
         s.copy_from_slice(&sig.0[32..]);
         let mut carry = 0u16;
@@ -571,7 +587,10 @@ mod tests {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+            assert_eq!(
+                std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
         }
         assert_eq!(Identity::load(&p).unwrap().node_id(), id.node_id());
         let before = std::fs::read(&p).unwrap();
@@ -592,7 +611,10 @@ mod tests {
         let q = dir.path().join("junk.key");
         id.write_new(&q).unwrap();
         std::fs::write(&q, "hello").unwrap();
-        assert!(matches!(Identity::load(&q), Err(CryptoError::BadKeyFile { .. })));
+        assert!(matches!(
+            Identity::load(&q),
+            Err(CryptoError::BadKeyFile { .. })
+        ));
     }
 
     #[test]
@@ -602,7 +624,10 @@ mod tests {
         assert_eq!(enc[0], 0x58);
         assert_eq!(enc[1], 32);
         assert_eq!(serde_cbor::from_slice::<ContentId>(&enc).unwrap(), c);
-        assert!(serde_cbor::from_slice::<ContentId>(&serde_cbor::to_vec(&serde_bytes_like(&[1, 2])).unwrap()).is_err());
+        assert!(serde_cbor::from_slice::<ContentId>(
+            &serde_cbor::to_vec(&serde_bytes_like(&[1, 2])).unwrap()
+        )
+        .is_err());
         assert_eq!(ContentId::from_hex(&c.to_hex()).unwrap(), c);
     }
 

@@ -12,8 +12,10 @@ use train::demo::DctCodec;
 #[derive(Subcommand, Debug)]
 pub enum CodecCmd {
     /// Compress every tensor of a safetensors file, each treated as a momentum, into one update.
-    #[command(after_help = "The output holds the tensor names and the update blob exactly as it goes on the wire.\n\
-Example: swarm codec encode --input m.safetensors --topk 4 --values sign --output u.bin")]
+    #[command(
+        after_help = "The output holds the tensor names and the update blob exactly as it goes on the wire.\n\
+Example: swarm codec encode --input m.safetensors --topk 4 --values sign --output u.bin"
+    )]
     Encode {
         #[arg(long)]
         input: PathBuf,
@@ -70,13 +72,23 @@ struct CodecFile {
 }
 
 fn shapes_of(tensors: &[(String, Tensor)]) -> Vec<(String, Vec<u32>)> {
-    tensors.iter().map(|(n, t)| (n.clone(), t.size().iter().map(|&x| x as u32).collect())).collect()
+    tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.size().iter().map(|&x| x as u32).collect()))
+        .collect()
 }
 
 pub fn run(c: CodecCmd) -> Result<()> {
     match c {
-        CodecCmd::Encode { input, chunk, topk, values, output } => {
-            let mut tensors = Tensor::read_safetensors(&input).with_context(|| format!("reading {}", input.display()))?;
+        CodecCmd::Encode {
+            input,
+            chunk,
+            topk,
+            values,
+            output,
+        } => {
+            let mut tensors = Tensor::read_safetensors(&input)
+                .with_context(|| format!("reading {}", input.display()))?;
             // The reader's order is not the file's: sort by name so every encode agrees.
             tensors.sort_by(|a, b| a.0.cmp(&b.0));
             if tensors.is_empty() {
@@ -84,10 +96,18 @@ pub fn run(c: CodecCmd) -> Result<()> {
             }
             let layout = Layout::from_shapes(&shapes_of(&tensors), chunk);
             let codec = DctCodec::new(layout.clone(), Device::Cpu);
-            let mut deltas: Vec<Tensor> = tensors.iter().map(|(_, t)| t.to_kind(Kind::Float).copy()).collect();
+            let mut deltas: Vec<Tensor> = tensors
+                .iter()
+                .map(|(_, t)| t.to_kind(Kind::Float).copy())
+                .collect();
             let update = codec.encode(&mut deltas, topk, values);
             let blob = update.encode();
-            let f = CodecFile { version: 1, chunk, names: tensors.iter().map(|(n, _)| n.clone()).collect(), blob };
+            let f = CodecFile {
+                version: 1,
+                chunk,
+                names: tensors.iter().map(|(n, _)| n.clone()).collect(),
+                blob,
+            };
             std::fs::write(&output, serde_cbor::to_vec(&f)?)?;
             let numel = layout.numel();
             println!(
@@ -101,38 +121,71 @@ pub fn run(c: CodecCmd) -> Result<()> {
             );
             Ok(())
         }
-        CodecCmd::Decode { updates, output, sign } => {
+        CodecCmd::Decode {
+            updates,
+            output,
+            sign,
+        } => {
             let mut files = Vec::new();
             for p in &updates {
                 let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
-                let f: CodecFile = serde_cbor::from_slice(&bytes).with_context(|| format!("{}: not a codec file", p.display()))?;
+                let f: CodecFile = serde_cbor::from_slice(&bytes)
+                    .with_context(|| format!("{}: not a codec file", p.display()))?;
                 files.push(f);
             }
             let first = &files[0];
             let mut ups = Vec::new();
             for (p, f) in updates.iter().zip(&files) {
                 if f.names != first.names || f.chunk != first.chunk {
-                    bail!("{} holds other tensors (or chunk) than {}", p.display(), updates[0].display());
+                    bail!(
+                        "{} holds other tensors (or chunk) than {}",
+                        p.display(),
+                        updates[0].display()
+                    );
                 }
-                ups.push(SparseUpdate::decode(&f.blob, usize::MAX).with_context(|| p.display().to_string())?);
+                ups.push(
+                    SparseUpdate::decode(&f.blob, usize::MAX)
+                        .with_context(|| p.display().to_string())?,
+                );
             }
-            let shapes: Vec<(String, Vec<u32>)> = first.names.iter().cloned().zip(ups[0].tensors.iter().map(|t| t.shape.clone())).collect();
+            let shapes: Vec<(String, Vec<u32>)> = first
+                .names
+                .iter()
+                .cloned()
+                .zip(ups[0].tensors.iter().map(|t| t.shape.clone()))
+                .collect();
             let layout = Layout::from_shapes(&shapes, first.chunk);
             for (p, u) in updates.iter().zip(&ups) {
                 u.validate(&layout, max_k(&ups[0]), ups[0].codec)
-                    .with_context(|| format!("{} is not a valid update for these tensors", p.display()))?;
+                    .with_context(|| {
+                        format!("{} is not a valid update for these tensors", p.display())
+                    })?;
             }
             let refs: Vec<&SparseUpdate> = ups.iter().collect();
             let agg = sparse::aggregate(&layout, &refs);
             let codec = DctCodec::new(layout.clone(), Device::Cpu);
-            let out = if sign { codec.exact_sign(&agg) } else { codec.decode_float(&agg) };
-            let named: Vec<(&str, Tensor)> = first.names.iter().map(|s| s.as_str()).zip(out).collect();
+            let out = if sign {
+                codec.exact_sign(&agg)
+            } else {
+                codec.decode_float(&agg)
+            };
+            let named: Vec<(&str, Tensor)> =
+                first.names.iter().map(|s| s.as_str()).zip(out).collect();
             Tensor::write_safetensors(&named, &output)?;
             println!("aggregated {} updates into {}", ups.len(), output.display());
             Ok(())
         }
-        CodecCmd::Size { model, vocab, chunk, topk, values, peers } => {
-            let Some(m) = ModelConfig::named(&model, vocab) else { bail!("unknown model {model:?} (tiny, small or 1.2b)") };
+        CodecCmd::Size {
+            model,
+            vocab,
+            chunk,
+            topk,
+            values,
+            peers,
+        } => {
+            let Some(m) = ModelConfig::named(&model, vocab) else {
+                bail!("unknown model {model:?} (tiny, small or 1.2b)")
+            };
             size_table(&m, chunk, topk, values, peers);
             Ok(())
         }
@@ -158,15 +211,45 @@ pub fn size_table(m: &ModelConfig, chunk: u32, topk: u32, values: ValueCodec, pe
         .map(|t| {
             let e = t.block_elems() as f64;
             let k = t.k_eff(topk) as f64;
-            let lc: f64 = (0..k as usize).map(|i| ((e - i as f64) / (i as f64 + 1.0)).log2()).sum();
-            t.blocks() as f64 * (lc + if values == ValueCodec::Sign { k } else { k * values.bits() as f64 })
+            let lc: f64 = (0..k as usize)
+                .map(|i| ((e - i as f64) / (i as f64 + 1.0)).log2())
+                .sum();
+            t.blocks() as f64
+                * (lc
+                    + if values == ValueCodec::Sign {
+                        k
+                    } else {
+                        k * values.bits() as f64
+                    })
         })
         .sum();
-    println!("model {} ({} params), chunk {chunk}, top-{topk}, {} values, {} blocks", m.name, p as u64, values.name(), layout.blocks());
+    println!(
+        "model {} ({} params), chunk {chunk}, top-{topk}, {} values, {} blocks",
+        m.name,
+        p as u64,
+        values.name(),
+        layout.blocks()
+    );
     println!("{:<44} {:>14}", "", "bytes");
-    println!("{:<44} {:>14.0}  ({:.2} MB, {:.4} bits/param)", "one update (CBOR, as sent)", bytes, bytes / 1e6, bytes * 8.0 / p);
-    println!("{:<44} {:>14.0}  ({:.2} MB)", "information bound (index set + values)", bound_bits / 8.0, bound_bits / 8e6);
-    println!("{:<44} {:>14.0}  ({:.0}x the update)", "dense bf16 gradient (one peer's)", dense, dense / bytes);
+    println!(
+        "{:<44} {:>14.0}  ({:.2} MB, {:.4} bits/param)",
+        "one update (CBOR, as sent)",
+        bytes,
+        bytes / 1e6,
+        bytes * 8.0 / p
+    );
+    println!(
+        "{:<44} {:>14.0}  ({:.2} MB)",
+        "information bound (index set + values)",
+        bound_bits / 8.0,
+        bound_bits / 8e6
+    );
+    println!(
+        "{:<44} {:>14.0}  ({:.0}x the update)",
+        "dense bf16 gradient (one peer's)",
+        dense,
+        dense / bytes
+    );
     println!(
         "{:<44} {:>14.0}  ({:.0}x the {} updates received)",
         format!("ring all-reduce per node, {peers} peers"),

@@ -23,7 +23,9 @@ use crate::cmd_net::now_ms;
 const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
 
 #[derive(Args, Debug)]
-#[command(after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo")]
+#[command(
+    after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo"
+)]
 pub struct DemoArgs {
     /// Trainer processes.
     #[arg(long, default_value_t = 4)]
@@ -80,7 +82,11 @@ fn read_status(p: &Path) -> Vec<Status> {
         return Vec::new();
     };
     // A line being written may be torn: skip what does not parse.
-    std::io::BufReader::new(f).lines().map_while(|l| l.ok()).filter_map(|l| serde_json::from_str(&l).ok()).collect()
+    std::io::BufReader::new(f)
+        .lines()
+        .map_while(|l| l.ok())
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -129,10 +135,14 @@ pub fn run(a: DemoArgs) -> Result<()> {
 
     let key = |name: &str| -> Result<PathBuf> {
         let p = work.join(format!("{name}.key"));
-        Identity::generate()?.write_new(&p).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Identity::generate()?
+            .write_new(&p)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(p)
     };
-    let log = |name: &str| -> Result<Stdio> { Ok(std::fs::File::create(work.join(format!("{name}.log")))?.into()) };
+    let log = |name: &str| -> Result<Stdio> {
+        Ok(std::fs::File::create(work.join(format!("{name}.log")))?.into())
+    };
 
     let addr_file = work.join("bootstrap.addr");
     let boot = Proc {
@@ -149,11 +159,17 @@ pub fn run(a: DemoArgs) -> Result<()> {
     };
     let t0 = Instant::now();
     let boot_addr = loop {
-        if let Some(l) = std::fs::read_to_string(&addr_file).ok().and_then(|s| s.lines().next().map(str::to_string)) {
+        if let Some(l) = std::fs::read_to_string(&addr_file)
+            .ok()
+            .and_then(|s| s.lines().next().map(str::to_string))
+        {
             break l;
         }
         if t0.elapsed() > Duration::from_secs(20) {
-            bail!("the bootstrap peer did not start; see {}", work.join("bootstrap.log").display());
+            bail!(
+                "the bootstrap peer did not start; see {}",
+                work.join("bootstrap.log").display()
+            );
         }
         std::thread::sleep(Duration::from_millis(100));
     };
@@ -178,7 +194,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
             .arg(&run_path)
             .arg("--key")
             .arg(key(&name)?)
-            .args(["--bootstrap", &boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu", "--threads", "1"])
+            .args([
+                "--bootstrap",
+                &boot_addr,
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+            ])
             .args(["--steps", &a.steps.to_string(), "--status"])
             .arg(&status)
             .arg("--checkpoint-dir")
@@ -186,7 +211,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
             .stdout(Stdio::null())
             .stderr(log(&name)?)
             .spawn()?;
-        procs.push(Proc { name, child, status });
+        procs.push(Proc {
+            name,
+            child,
+            status,
+        });
     }
 
     // Live view until every trainer applied every step (or left), or a generous deadline.
@@ -203,7 +232,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
             if rows[last].last().is_some_and(|s| s.step >= k) {
                 // Child::kill is SIGKILL: no goodbye, exactly like a crash.
                 procs[last].child.kill()?;
-                eprintln!("swarm demo: killed {} (kill -9) after step {k}", procs[last].name);
+                eprintln!(
+                    "swarm demo: killed {} (kill -9) after step {k}",
+                    procs[last].name
+                );
                 killed = Some(last);
             }
         }
@@ -214,11 +246,18 @@ pub fn run(a: DemoArgs) -> Result<()> {
             .all(|(_, r)| r.last().is_some_and(|s| s.step + 1 >= a.steps));
         let mut exited = Vec::new();
         for p in procs.iter_mut() {
-            if let Ok(Some(st)) = p.child.try_wait().map(|s| s.filter(|_| killed.map(|k| procs_names[k] != p.name).unwrap_or(true))) {
+            if let Ok(Some(st)) = p
+                .child
+                .try_wait()
+                .map(|s| s.filter(|_| killed.map(|k| procs_names[k] != p.name).unwrap_or(true)))
+            {
                 exited.push((p.name.clone(), st));
             }
         }
-        let mut table = vec![format!("{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  digest", "node", "step", "loss", "peers", "out B/st", "in B/st", "train ms")];
+        let mut table = vec![format!(
+            "{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  digest",
+            "node", "step", "loss", "peers", "out B/st", "in B/st", "train ms"
+        )];
         for (p, r) in procs.iter().zip(&rows) {
             match r.last() {
                 Some(s) => table.push(format!(
@@ -254,7 +293,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
             break;
         }
         if let Some((name, st)) = exited.iter().find(|(_, st)| !st.success()) {
-            bail!("{name} exited with {st}; see {}", work.join(format!("{name}.log")).display());
+            bail!(
+                "{name} exited with {st}; see {}",
+                work.join(format!("{name}.log")).display()
+            );
         }
         if start.elapsed() > deadline {
             eprintln!("swarm demo: deadline reached before every trainer finished");
@@ -265,7 +307,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
     // Let the trainers save their final checkpoints (they leave after lingering two periods).
     let linger = Instant::now();
     while linger.elapsed() < Duration::from_millis(3 * a.period_ms + 5000) {
-        if procs.iter_mut().all(|p| matches!(p.child.try_wait(), Ok(Some(_)))) {
+        if procs
+            .iter_mut()
+            .all(|p| matches!(p.child.try_wait(), Ok(Some(_))))
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -273,21 +318,34 @@ pub fn run(a: DemoArgs) -> Result<()> {
     // Only the requested steps: while lingering, trainers keep applying whatever still arrives.
     let rows: Vec<Vec<Status>> = procs
         .iter()
-        .map(|p| read_status(&p.status).into_iter().filter(|s| s.step < a.steps).collect())
+        .map(|p| {
+            read_status(&p.status)
+                .into_iter()
+                .filter(|s| s.step < a.steps)
+                .collect()
+        })
         .collect();
     let names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
     drop(procs);
     drop(boot);
 
     // Digest agreement: every step that every trainer applied.
-    let by_step: Vec<BTreeMap<u64, &Status>> = rows.iter().map(|r| r.iter().map(|s| (s.step, s)).collect()).collect();
+    let by_step: Vec<BTreeMap<u64, &Status>> = rows
+        .iter()
+        .map(|r| r.iter().map(|s| (s.step, s)).collect())
+        .collect();
     // Every survivor must hold every step; a killed trainer must agree on the steps it applied.
     let survivors: Vec<usize> = (0..rows.len()).filter(|i| Some(*i) != killed).collect();
-    let common: Vec<u64> = by_step[0].keys().copied().filter(|k| survivors.iter().all(|&i| by_step[i].contains_key(k))).collect();
-    let first_disagreement = common
-        .iter()
+    let common: Vec<u64> = by_step[0]
+        .keys()
         .copied()
-        .find(|k| by_step.iter().any(|m| m.get(k).is_some_and(|s| s.digest != by_step[0][k].digest)));
+        .filter(|k| survivors.iter().all(|&i| by_step[i].contains_key(k)))
+        .collect();
+    let first_disagreement = common.iter().copied().find(|k| {
+        by_step
+            .iter()
+            .any(|m| m.get(k).is_some_and(|s| s.digest != by_step[0][k].digest))
+    });
     let agree = first_disagreement.is_none() && common.len() as u64 >= a.steps;
 
     let all: Vec<&Status> = rows.iter().flatten().collect();
@@ -301,15 +359,26 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let corpus = train::data::Corpus::open(&spec)?;
     let mut final_eval = None;
     if let Some(last) = common.last().filter(|&&l| l + 1 == a.steps) {
-        let ck = work.join(&names[0]).join(format!("v{}.safetensors", a.steps));
+        let ck = work
+            .join(&names[0])
+            .join(format!("v{}.safetensors", a.steps));
         if ck.exists() {
             let mut m = train::model::Llama::new(&run.model, tch::Device::Cpu, run.seed);
             m.load(&ck)?;
             let want = &by_step[0][last].digest;
             if train::run::hex(&m.digest()) != *want {
-                bail!("{}: checkpoint digest differs from the one the node reported", ck.display());
+                bail!(
+                    "{}: checkpoint digest differs from the one the node reported",
+                    ck.display()
+                );
             }
-            final_eval = Some(train::run::eval_loss(&m, &corpus, run.seed, 4, run.batch_seqs as usize));
+            final_eval = Some(train::run::eval_loss(
+                &m,
+                &corpus,
+                run.seed,
+                4,
+                run.batch_seqs as usize,
+            ));
         }
     }
 
@@ -329,7 +398,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let adamw = if a.no_baseline {
         None
     } else {
-        eprintln!("swarm demo: AdamW + all-reduce baseline ({} replicas, in process)", a.trainers);
+        eprintln!(
+            "swarm demo: AdamW + all-reduce baseline ({} replicas, in process)",
+            a.trainers
+        );
         Some(train::run::train(&opts, &corpus, tch::Device::Cpu, |_| {})?.1)
     };
 
@@ -344,13 +416,26 @@ pub fn run(a: DemoArgs) -> Result<()> {
         first_disagreement,
         mean_bytes_out_per_step: mean_out,
         mean_bytes_in_per_step: mean(&|s| s.bytes_in),
-        upload_amplification: if update_bytes > 0 { mean_out / update_bytes as f64 } else { 0.0 },
+        upload_amplification: if update_bytes > 0 {
+            mean_out / update_bytes as f64
+        } else {
+            0.0
+        },
         mean_train_ms: mean(&|s| s.train_ms),
         final_eval_loss: final_eval,
         adamw_final_eval_loss: adamw.as_ref().map(|r| r.final_eval_loss),
-        adamw_bytes_per_step: adamw.as_ref().and_then(|r| r.steps.first().map(|s| s.bytes_sent)),
+        adamw_bytes_per_step: adamw
+            .as_ref()
+            .and_then(|r| r.steps.first().map(|s| s.bytes_sent)),
         wall_seconds: start.elapsed().as_secs_f64(),
-        nodes: names.iter().zip(&rows).map(|(name, r)| NodeReport { name: name.clone(), steps: r.clone() }).collect(),
+        nodes: names
+            .iter()
+            .zip(&rows)
+            .map(|(name, r)| NodeReport {
+                name: name.clone(),
+                steps: r.clone(),
+            })
+            .collect(),
     };
     std::fs::create_dir_all(&a.out)?;
     let json = a.out.join("report.json");

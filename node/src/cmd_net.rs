@@ -30,13 +30,18 @@ use tokio::sync::mpsc;
 use crate::trainer::{self, Cmd, Reply, Trainer};
 
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 #[derive(Args, Debug)]
-#[command(after_help = "Example (a local swarm):\n  swarm keygen --out b.key && swarm bootstrap --listen /ip4/127.0.0.1/tcp/4001 --key b.key\n  \
+#[command(
+    after_help = "Example (a local swarm):\n  swarm keygen --out b.key && swarm bootstrap --listen /ip4/127.0.0.1/tcp/4001 --key b.key\n  \
 swarm keygen --out n1.key && swarm run --run node/runs/tiny-local.toml --key n1.key \\\n      --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/$(swarm id b.key) --genesis-ms $(( $(date +%s%3N) + 20000 ))\n\n\
-Or simply: swarm demo")]
+Or simply: swarm demo"
+)]
 pub struct RunArgs {
     /// The run config (protocol `RunConfig` as TOML); every node of a run uses the same one.
     #[arg(long)]
@@ -94,7 +99,8 @@ pub struct BootstrapArgs {
 
 pub fn load_run(path: &std::path::Path, genesis_ms: Option<u64>) -> Result<RunConfig> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    let mut run: RunConfig = toml::from_str(&text).with_context(|| format!("{}: not a run config", path.display()))?;
+    let mut run: RunConfig =
+        toml::from_str(&text).with_context(|| format!("{}: not a run config", path.display()))?;
     if let Some(g) = genesis_ms {
         run.timing.genesis_ms = g;
     }
@@ -112,7 +118,10 @@ fn split_p2p(a: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     // Two workers: libp2p's tasks and ours. Training has its own thread.
-    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
 }
 
 pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
@@ -255,12 +264,20 @@ impl Node {
     fn act(&mut self, a: Action) {
         match a {
             Action::Publish { bytes } => {
-                if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(self.topic.clone(), bytes) {
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .publish(self.topic.clone(), bytes)
+                {
                     tracing::debug!("publish: {e}");
                 }
             }
             Action::Send { peer, bytes } => {
-                self.swarm.behaviour_mut().rr.send_request(&net::peer_id(&peer), Request::Frame(bytes));
+                self.swarm
+                    .behaviour_mut()
+                    .rr
+                    .send_request(&net::peer_id(&peer), Request::Frame(bytes));
             }
             Action::Verdict { tag, verdict } => {
                 if let Some((id, src)) = self.tags.remove(&tag) {
@@ -269,17 +286,28 @@ impl Node {
                         Verdict::Reject => MessageAcceptance::Reject,
                         Verdict::Ignore => MessageAcceptance::Ignore,
                     };
-                    self.swarm.behaviour_mut().gossipsub.report_message_validation_result(&id, &src, v);
+                    self.swarm
+                        .behaviour_mut()
+                        .gossipsub
+                        .report_message_validation_result(&id, &src, v);
                 }
             }
             Action::Fetch { peer, blob } => {
-                let r = self.swarm.behaviour_mut().rr.send_request(&net::peer_id(&peer), Request::Blob(blob));
+                let r = self
+                    .swarm
+                    .behaviour_mut()
+                    .rr
+                    .send_request(&net::peer_id(&peer), Request::Blob(blob));
                 self.fetches.insert(r, (peer, blob));
             }
             Action::RequestCheckpoint { min_version, peers } => {
                 // Checkpoint transfer is not wired yet: report failure so the engine retries
                 // later instead of waiting forever.
-                tracing::warn!(min_version, peers = peers.len(), "checkpoint requested; transfer not implemented yet");
+                tracing::warn!(
+                    min_version,
+                    peers = peers.len(),
+                    "checkpoint requested; transfer not implemented yet"
+                );
                 self.feed(Event::CheckpointFailed);
             }
             Action::StartStep { step, .. } => {
@@ -291,7 +319,10 @@ impl Node {
             Action::Penalize { peer, reason, .. } => {
                 tracing::info!(%peer, %reason, "penalized");
                 let s = self.engine.score(&peer) as f64;
-                self.swarm.behaviour_mut().gossipsub.set_application_score(&net::peer_id(&peer), -s);
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .set_application_score(&net::peer_id(&peer), -s);
             }
             Action::Ban { peer, reason } => {
                 tracing::warn!(%peer, %reason, "banned");
@@ -301,7 +332,12 @@ impl Node {
             }
             Action::SetTimer { at } => self.timer = Some(at),
             Action::Report(r) => match r {
-                Report::StepApplied { step, included, listed, missing } => {
+                Report::StepApplied {
+                    step,
+                    included,
+                    listed,
+                    missing,
+                } => {
                     tracing::debug!(step, included, listed, missing, "step set decided")
                 }
                 Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
@@ -314,21 +350,38 @@ impl Node {
     fn on_swarm(&mut self, ev: SwarmEvent<BehaviourEvent>) {
         match ev {
             SwarmEvent::NewListenAddr { address, .. } => {
-                tracing::info!("listening on {}", address.clone().with(Protocol::P2p(*self.swarm.local_peer_id())));
+                tracing::info!(
+                    "listening on {}",
+                    address
+                        .clone()
+                        .with(Protocol::P2p(*self.swarm.local_peer_id()))
+                );
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
                 if let Some(n) = self.members.remove(&peer_id) {
                     self.feed(Event::PeerGone { peer: n });
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(g)) => match g {
-                gossipsub::Event::Message { propagation_source, message_id, message } => {
+                gossipsub::Event::Message {
+                    propagation_source,
+                    message_id,
+                    message,
+                } => {
                     let Some(from) = net::node_id(&propagation_source) else {
-                        let _ = self.swarm.behaviour_mut().gossipsub.report_message_validation_result(
-                            &message_id,
-                            &propagation_source,
-                            MessageAcceptance::Ignore,
-                        );
+                        let _ = self
+                            .swarm
+                            .behaviour_mut()
+                            .gossipsub
+                            .report_message_validation_result(
+                                &message_id,
+                                &propagation_source,
+                                MessageAcceptance::Ignore,
+                            );
                         return;
                     };
                     self.next_tag += 1;
@@ -352,14 +405,26 @@ impl Node {
                 }
                 _ => {}
             },
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. })) => {
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
                 for addr in info.listen_addrs.into_iter().take(8) {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, addresses, .. })) => {
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer,
+                addresses,
+                ..
+            })) => {
                 if !self.swarm.is_connected(&peer) && self.swarm.connected_peers().count() < 64 {
-                    let _ = self.swarm.dial(DialOpts::peer_id(peer).addresses(addresses.into_vec()).build());
+                    let _ = self.swarm.dial(
+                        DialOpts::peer_id(peer)
+                            .addresses(addresses.into_vec())
+                            .build(),
+                    );
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Rr(r)) => self.on_rr(r),
@@ -370,7 +435,9 @@ impl Node {
     fn on_rr(&mut self, r: request_response::Event<Request, Vec<u8>>) {
         match r {
             request_response::Event::Message { peer, message, .. } => match message {
-                request_response::Message::Request { request, channel, .. } => {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
                     if !self.rate.allow(peer, now_ms()) {
                         // Dropping the channel tells the peer we refused.
                         return;
@@ -378,7 +445,11 @@ impl Node {
                     let resp = match request {
                         Request::Frame(bytes) => {
                             if let Some(from) = net::node_id(&peer) {
-                                self.feed(Event::Message { from, tag: None, bytes });
+                                self.feed(Event::Message {
+                                    from,
+                                    tag: None,
+                                    bytes,
+                                });
                             }
                             Vec::new()
                         }
@@ -386,17 +457,26 @@ impl Node {
                     };
                     let _ = self.swarm.behaviour_mut().rr.send_response(channel, resp);
                 }
-                request_response::Message::Response { request_id, response } => {
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
                     if let Some((from, blob)) = self.fetches.remove(&request_id) {
                         if response.is_empty() {
                             self.feed(Event::FetchFailed { from, blob });
                         } else {
-                            self.feed(Event::Fetched { from, blob, bytes: response });
+                            self.feed(Event::Fetched {
+                                from,
+                                blob,
+                                bytes: response,
+                            });
                         }
                     }
                 }
             },
-            request_response::Event::OutboundFailure { request_id, error, .. } => {
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
                 if let Some((from, blob)) = self.fetches.remove(&request_id) {
                     tracing::debug!(%from, %error, "fetch failed");
                     self.feed(Event::FetchFailed { from, blob });
@@ -409,7 +489,13 @@ impl Node {
     fn on_trainer(&mut self, r: Reply) -> Result<()> {
         match r {
             Reply::Ready { .. } => {}
-            Reply::Trained { step, blob, tokens, loss, ms } => {
+            Reply::Trained {
+                step,
+                blob,
+                tokens,
+                loss,
+                ms,
+            } => {
                 self.update_bytes = blob.len() as u64;
                 self.losses.insert(step, (loss, ms));
                 while self.losses.len() > 64 {
@@ -418,8 +504,16 @@ impl Node {
                 self.gauges.loss.set(loss);
                 self.feed(Event::LocalUpdate { step, blob, tokens });
             }
-            Reply::Applied { step, digest, ms, included } => {
-                self.feed(Event::Applied { step, digest: Digest(digest) });
+            Reply::Applied {
+                step,
+                digest,
+                ms,
+                included,
+            } => {
+                self.feed(Event::Applied {
+                    step,
+                    digest: Digest(digest),
+                });
                 self.write_status(step, Digest(digest), ms, included)?;
                 if let Some(n) = self.steps {
                     if step + 1 >= n && self.done_at.is_none() {
@@ -427,7 +521,10 @@ impl Node {
                         if let Some(dir) = self.ckpt_dir.clone() {
                             std::fs::create_dir_all(&dir)?;
                             let path = dir.join(format!("v{}.safetensors", step + 1));
-                            self.to_trainer(Cmd::Save { version: step + 1, path });
+                            self.to_trainer(Cmd::Save {
+                                version: step + 1,
+                                path,
+                            });
                         }
                     }
                 }
@@ -439,12 +536,25 @@ impl Node {
         Ok(())
     }
 
-    fn write_status(&mut self, step: u64, digest: Digest, apply_ms: u64, included: usize) -> Result<()> {
+    fn write_status(
+        &mut self,
+        step: u64,
+        digest: Digest,
+        apply_ms: u64,
+        included: usize,
+    ) -> Result<()> {
         let bw = net::bandwidth(&self.reg.lock().expect("registry lock"));
-        let (din, dout) = (bw.0.saturating_sub(self.last_bw.0), bw.1.saturating_sub(self.last_bw.1));
+        let (din, dout) = (
+            bw.0.saturating_sub(self.last_bw.0),
+            bw.1.saturating_sub(self.last_bw.1),
+        );
         self.last_bw = bw;
         let m = self.engine.metrics().clone();
-        let (loss, train_ms) = self.losses.get(&step).copied().map_or((None, 0), |(l, t)| (Some(l), t));
+        let (loss, train_ms) = self
+            .losses
+            .get(&step)
+            .copied()
+            .map_or((None, 0), |(l, t)| (Some(l), t));
         self.gauges.step.set(step as i64 + 1);
         self.gauges.peers.set(self.members.len() as i64);
         self.gauges.rejected.set(m.rejected as i64);
@@ -486,7 +596,9 @@ impl Node {
 
 async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registry>>) -> Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics on {addr}"))?;
+    let l = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("metrics on {addr}"))?;
     tracing::info!("metrics at http://{addr}/metrics");
     loop {
         let (mut s, _) = l.accept().await?;
@@ -501,7 +613,10 @@ async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registr
             let req = String::from_utf8_lossy(&buf[..n]);
             let (status, body) = if req.starts_with("GET /metrics") {
                 let mut text = String::new();
-                let _ = prometheus_client::encoding::text::encode(&mut text, &reg.lock().expect("registry lock"));
+                let _ = prometheus_client::encoding::text::encode(
+                    &mut text,
+                    &reg.lock().expect("registry lock"),
+                );
                 ("200 OK", text)
             } else {
                 ("404 Not Found", "try /metrics\n".to_string())
@@ -525,7 +640,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     let spec = trainer::data_spec(&run, a.data.as_deref())?;
     let corpus = train::data::Corpus::open(&spec)?;
     if corpus.vocab() as u32 > run.model.vocab {
-        bail!("data vocabulary {} exceeds the model's {}", corpus.vocab(), run.model.vocab);
+        bail!(
+            "data vocabulary {} exceeds the model's {}",
+            corpus.vocab(),
+            run.model.vocab
+        );
     }
     let batch = a.batch.unwrap_or(run.batch_seqs as usize).max(1);
     let me = id.node_id();
@@ -554,10 +673,26 @@ pub fn run(a: RunArgs) -> Result<()> {
             rejected: Gauge::default(),
             fetches: Gauge::default(),
         };
-        reg.register("swarm_version", "Parameter version (steps applied)", gauges.step.clone());
-        reg.register("swarm_peers", "Connected peers of this run", gauges.peers.clone());
-        reg.register("swarm_train_loss", "Loss of the last local batch", gauges.loss.clone());
-        reg.register("swarm_rejected", "Messages rejected as invalid", gauges.rejected.clone());
+        reg.register(
+            "swarm_version",
+            "Parameter version (steps applied)",
+            gauges.step.clone(),
+        );
+        reg.register(
+            "swarm_peers",
+            "Connected peers of this run",
+            gauges.peers.clone(),
+        );
+        reg.register(
+            "swarm_train_loss",
+            "Loss of the last local batch",
+            gauges.loss.clone(),
+        );
+        reg.register(
+            "swarm_rejected",
+            "Messages rejected as invalid",
+            gauges.rejected.clone(),
+        );
         reg.register("swarm_fetches", "Blob fetches", gauges.fetches.clone());
         let reg = Arc::new(Mutex::new(reg));
         let now = now_ms();
@@ -568,7 +703,13 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         let topic = IdentTopic::new(run.topic());
         let status = match &a.status {
-            Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p).with_context(|| p.display().to_string())?),
+            Some(p) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .with_context(|| p.display().to_string())?,
+            ),
             None => None,
         };
         let mut node = Node {
@@ -604,7 +745,9 @@ pub fn run(a: RunArgs) -> Result<()> {
                 Some((p, addr)) => {
                     node.swarm.behaviour_mut().kad.add_address(&p, addr);
                 }
-                None => tracing::warn!("bootstrap address {b} has no /p2p/PEER_ID; dialing it anyway"),
+                None => {
+                    tracing::warn!("bootstrap address {b} has no /p2p/PEER_ID; dialing it anyway")
+                }
             }
             node.swarm.dial(b.clone())?;
         }
@@ -620,7 +763,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut discover = tokio::time::interval(Duration::from_secs(5));
         loop {
-            let wait = node.timer.map_or(Duration::from_secs(3600), |t| Duration::from_millis(t.saturating_sub(now_ms())));
+            let wait = node.timer.map_or(Duration::from_secs(3600), |t| {
+                Duration::from_millis(t.saturating_sub(now_ms()))
+            });
             tokio::select! {
                 ev = node.swarm.select_next_some() => node.on_swarm(ev),
                 r = rep_rx.recv() => match r {

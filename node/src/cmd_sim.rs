@@ -26,10 +26,15 @@ pub fn run(a: SimArgs) -> Result<()> {
         let rows = sim::worked::table();
         print!("{}", sim::worked::markdown(&rows));
         std::fs::create_dir_all(&a.out)?;
-        std::fs::write(a.out.join("worked_example.json"), serde_json::to_string_pretty(&rows)?)?;
+        std::fs::write(
+            a.out.join("worked_example.json"),
+            serde_json::to_string_pretty(&rows)?,
+        )?;
         return Ok(());
     }
-    let path = a.scenario.ok_or_else(|| anyhow!("give a scenario file, or --worked-example"))?;
+    let path = a
+        .scenario
+        .ok_or_else(|| anyhow!("give a scenario file, or --worked-example"))?;
     let sc = sim::Scenario::load(&path).map_err(|e| anyhow!("{e}"))?;
     std::fs::create_dir_all(&a.out)?;
     let points: Vec<sim::Scenario> = if sc.sweep.is_empty() {
@@ -50,7 +55,11 @@ pub fn run(a: SimArgs) -> Result<()> {
         let m = sim::run(p, &mut |s, _| bar.set_position(s)).map_err(|e| anyhow!("{e}"))?;
         let wall = t0.elapsed().as_secs_f64();
         bar.finish_and_clear();
-        let dir = if points.len() > 1 { a.out.join(format!("n{}", p.nodes())) } else { a.out.clone() };
+        let dir = if points.len() > 1 {
+            a.out.join(format!("n{}", p.nodes()))
+        } else {
+            a.out.clone()
+        };
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("metrics.json"), m.to_json())?;
         if !a.no_plots {
@@ -96,6 +105,9 @@ pub fn run(a: SimArgs) -> Result<()> {
         );
     }
     // Wall times vary by machine: kept out of metrics.json (which is byte-deterministic).
-    std::fs::write(a.out.join("summary.json"), serde_json::to_string_pretty(&table)?)?;
+    std::fs::write(
+        a.out.join("summary.json"),
+        serde_json::to_string_pretty(&table)?,
+    )?;
     Ok(())
 }

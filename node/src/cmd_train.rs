@@ -10,9 +10,11 @@ use train::data::{Corpus, DataSpec};
 use train::run::{Optimizer, TrainOptions};
 
 #[derive(Args, Debug)]
-#[command(after_help = "Examples:\n  swarm train --report runs/demo.json\n  swarm train --optimizer adamw --report runs/adamw.json\n  \
+#[command(
+    after_help = "Examples:\n  swarm train --report runs/demo.json\n  swarm train --optimizer adamw --report runs/adamw.json\n  \
 swarm plot runs/demo.json runs/adamw.json --out runs/compare.png\n  \
-swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json")]
+swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json"
+)]
 pub struct TrainArgs {
     /// Model: tiny (~0.85M params, minutes on a CPU), small (~27M), 1.2b (the DisTrO report's).
     #[arg(long, default_value = "tiny")]
@@ -102,8 +104,17 @@ pub fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) ->
     if let Some(rest) = data.strip_prefix("synthetic") {
         // synthetic[:VOCAB[:BRANCH[:SEED]]]
         let mut spec = DataSpec::synthetic_default();
-        if let DataSpec::Synthetic { seed, vocab, branch } = &mut spec {
-            let parts: Vec<&str> = rest.trim_start_matches(':').split(':').filter(|s| !s.is_empty()).collect();
+        if let DataSpec::Synthetic {
+            seed,
+            vocab,
+            branch,
+        } = &mut spec
+        {
+            let parts: Vec<&str> = rest
+                .trim_start_matches(':')
+                .split(':')
+                .filter(|s| !s.is_empty())
+                .collect();
             if let Some(v) = parts.first().and_then(|s| s.parse().ok()) {
                 *vocab = v;
             }
@@ -119,9 +130,16 @@ pub fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) ->
     let lower = data.to_lowercase();
     if lower.ends_with(".bin") || lower.ends_with(".u16") || lower.ends_with(".u32") {
         let w = width.unwrap_or(if lower.ends_with(".u32") { 32 } else { 16 });
-        return DataSpec::Shard { path: data.to_string(), width: w, vocab: 0 };
+        return DataSpec::Shard {
+            path: data.to_string(),
+            width: w,
+            vocab: 0,
+        };
     }
-    DataSpec::Text { path: data.to_string(), tokenizer: tokenizer.map(|p| p.display().to_string()) }
+    DataSpec::Text {
+        path: data.to_string(),
+        tokenizer: tokenizer.map(|p| p.display().to_string()),
+    }
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -177,7 +195,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let tty = std::io::stderr().is_terminal();
     let pb = ProgressBar::new(a.steps as u64);
     if tty {
-        pb.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]").unwrap());
+        pb.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]")
+                .unwrap(),
+        );
     } else {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -203,18 +224,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
     pb.finish_and_clear();
     println!("final eval loss: {:.4}", report.final_eval_loss);
     if let Some(f) = report.loss_floor {
-        println!("loss floor:      {f:.4}  (gap {:.4})", report.final_eval_loss - f);
+        println!(
+            "loss floor:      {f:.4}  (gap {:.4})",
+            report.final_eval_loss - f
+        );
     }
     if let Some(b) = report.update_bytes {
-        println!("update size:     {b} bytes ({:.4} bits/param)", b as f64 * 8.0 / report.params as f64);
+        println!(
+            "update size:     {b} bytes ({:.4} bits/param)",
+            b as f64 * 8.0 / report.params as f64
+        );
     }
     if let Some(c) = report.codec_fraction {
-        println!("codec share:     {:.1}% of forward+backward (compress + aggregate + apply)", c * 100.0);
+        println!(
+            "codec share:     {:.1}% of forward+backward (compress + aggregate + apply)",
+            c * 100.0
+        );
     }
     println!("wall time:       {:.1} s", report.wall_seconds);
     println!("param digest:    {}", report.final_digest);
     if let Some(path) = &a.save {
-        model_out.save(path).with_context(|| format!("saving {}", path.display()))?;
+        model_out
+            .save(path)
+            .with_context(|| format!("saving {}", path.display()))?;
         println!("saved weights to {}", path.display());
     }
     if let Some(path) = &a.report {

@@ -2,8 +2,8 @@
 
 mod cmd_codec;
 mod cmd_demo;
-mod cmd_sim;
 mod cmd_net;
+mod cmd_sim;
 mod cmd_train;
 mod plot;
 mod trainer;
@@ -38,15 +38,15 @@ enum Cmd {
     /// Run a simulator scenario (sim/scenarios/*.toml): metrics JSON and PNG plots into --out.
     Sim(cmd_sim::SimArgs),
     /// Create a node identity (an ed25519 key) in a new file, readable only by you.
-    #[command(after_help = "The file is never overwritten. Its node id is the libp2p PeerId of the key.\nExample: swarm keygen --out ~/.swarm/node.key")]
+    #[command(
+        after_help = "The file is never overwritten. Its node id is the libp2p PeerId of the key.\nExample: swarm keygen --out ~/.swarm/node.key"
+    )]
     Keygen {
         #[arg(long)]
         out: std::path::PathBuf,
     },
     /// Print the node id (libp2p PeerId) of a key file.
-    Id {
-        key: std::path::PathBuf,
-    },
+    Id { key: std::path::PathBuf },
     /// Join a run: train with the swarm over libp2p (see `swarm run --help`).
     Run(Box<cmd_net::RunArgs>),
     /// Run a discovery-only peer that trainers list as --bootstrap.
@@ -69,7 +69,9 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -82,13 +84,15 @@ fn main() -> anyhow::Result<()> {
                 std::fs::create_dir_all(dir)?;
             }
             let id = crypto::Identity::generate()?;
-            id.write_new(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+            id.write_new(&out)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
             println!("{}", id.node_id().peer_id_string());
             eprintln!("wrote {} (mode 0600)", out.display());
             Ok(())
         }
         Cmd::Id { key } => {
-            let id = crypto::Identity::load(&key).map_err(|e| anyhow::anyhow!("{}: {e}", key.display()))?;
+            let id = crypto::Identity::load(&key)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", key.display()))?;
             println!("{}", id.node_id().peer_id_string());
             Ok(())
         }
@@ -98,16 +102,24 @@ fn main() -> anyhow::Result<()> {
         Cmd::Plot { reports, out } => {
             let mut loaded = Vec::new();
             for p in &reports {
-                let r: train::run::Report = serde_json::from_slice(&std::fs::read(p)?)
-                    .map_err(|e| anyhow::anyhow!("{}: not a swarm train report: {e}", p.display()))?;
-                let label = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+                let r: train::run::Report =
+                    serde_json::from_slice(&std::fs::read(p)?).map_err(|e| {
+                        anyhow::anyhow!("{}: not a swarm train report: {e}", p.display())
+                    })?;
+                let label = p
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().to_string())
+                    .unwrap_or_default();
                 loaded.push((label, r));
             }
             plot::loss_plot(&loaded, &out)?;
             plot::summary_table(&loaded);
             println!("wrote {}", out.display());
             if loaded.len() > 1 {
-                let stem = out.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+                let stem = out
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().to_string())
+                    .unwrap_or_default();
                 let bytes = out.with_file_name(format!("{stem}-bytes.png"));
                 plot::bytes_plot(&loaded, &bytes)?;
                 println!("wrote {}", bytes.display());

@@ -24,7 +24,10 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use libp2p::gossipsub::{self, MessageAuthenticity, MessageId, TopicHash, ValidationMode};
 use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
-use libp2p::{connection_limits, identify, kad, noise, request_response, tcp, yamux, PeerId, StreamProtocol, Swarm};
+use libp2p::{
+    connection_limits, identify, kad, noise, request_response, tcp, yamux, PeerId, StreamProtocol,
+    Swarm,
+};
 use protocol::run::RunConfig;
 use thiserror::Error;
 
@@ -68,7 +71,8 @@ impl NetConfig {
     pub fn for_run(run: &RunConfig) -> NetConfig {
         let l = &run.limits;
         let update = l.max_blob_bytes as usize + l.max_header_bytes as usize + RESPONSE_ENVELOPE;
-        let ckpt = (l.max_checkpoint_chunk_bytes.max(l.max_manifest_bytes) as usize) + RESPONSE_ENVELOPE;
+        let ckpt =
+            (l.max_checkpoint_chunk_bytes.max(l.max_manifest_bytes) as usize) + RESPONSE_ENVELOPE;
         NetConfig {
             max_transmit: l.max_message_bytes as usize + GOSSIP_ENVELOPE,
             max_request: l.max_message_bytes as usize,
@@ -113,8 +117,13 @@ impl Request {
     fn decode(b: &[u8]) -> io::Result<Request> {
         match b.split_first() {
             Some((0, rest)) => Ok(Request::Frame(rest.to_vec())),
-            Some((1, rest)) if rest.len() == 32 => Ok(Request::Blob(ContentId(rest.try_into().expect("32 bytes")))),
-            _ => Err(io::Error::new(io::ErrorKind::InvalidData, "unknown request")),
+            Some((1, rest)) if rest.len() == 32 => {
+                Ok(Request::Blob(ContentId(rest.try_into().expect("32 bytes"))))
+            }
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "unknown request",
+            )),
         }
     }
 }
@@ -132,16 +141,26 @@ async fn read_frame<T: AsyncRead + Unpin + Send>(io: &mut T, max: usize) -> io::
     io.read_exact(&mut len).await?;
     let n = u32::from_be_bytes(len) as usize;
     if n > max {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {n} bytes over the cap of {max}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes over the cap of {max}"),
+        ));
     }
     let mut buf = vec![0u8; n];
     io.read_exact(&mut buf).await?;
     Ok(buf)
 }
 
-async fn write_frame<T: AsyncWrite + Unpin + Send>(io: &mut T, b: &[u8], max: usize) -> io::Result<()> {
+async fn write_frame<T: AsyncWrite + Unpin + Send>(
+    io: &mut T,
+    b: &[u8],
+    max: usize,
+) -> io::Result<()> {
     if b.len() > max {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("frame of {} bytes over the cap of {max}", b.len())));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("frame of {} bytes over the cap of {max}", b.len()),
+        ));
     }
     io.write_all(&(b.len() as u32).to_be_bytes()).await?;
     io.write_all(b).await?;
@@ -154,17 +173,35 @@ impl request_response::Codec for Codec {
     /// Raw bytes; empty means "not here".
     type Response = Vec<u8>;
 
-    async fn read_request<T: AsyncRead + Unpin + Send>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<Request> {
+    async fn read_request<T: AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> io::Result<Request> {
         // +1: the request kind byte.
         Request::decode(&read_frame(io, self.max_request + 1).await?)
     }
-    async fn read_response<T: AsyncRead + Unpin + Send>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<Vec<u8>> {
+    async fn read_response<T: AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> io::Result<Vec<u8>> {
         read_frame(io, self.max_response).await
     }
-    async fn write_request<T: AsyncWrite + Unpin + Send>(&mut self, _: &StreamProtocol, io: &mut T, r: Request) -> io::Result<()> {
+    async fn write_request<T: AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        r: Request,
+    ) -> io::Result<()> {
         write_frame(io, &r.encode(), self.max_request + 1).await
     }
-    async fn write_response<T: AsyncWrite + Unpin + Send>(&mut self, _: &StreamProtocol, io: &mut T, r: Vec<u8>) -> io::Result<()> {
+    async fn write_response<T: AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        r: Vec<u8>,
+    ) -> io::Result<()> {
         write_frame(io, &r, self.max_response).await
     }
 }
@@ -198,10 +235,15 @@ pub fn gossip_config(cfg: &NetConfig) -> Result<gossipsub::Config, NetError> {
 }
 
 /// Score parameters: a provably invalid message costs a relay most of the way to the graylist.
-pub fn score_params(topic: Option<&TopicHash>) -> (gossipsub::PeerScoreParams, gossipsub::PeerScoreThresholds) {
+pub fn score_params(
+    topic: Option<&TopicHash>,
+) -> (gossipsub::PeerScoreParams, gossipsub::PeerScoreThresholds) {
     let mut p = gossipsub::PeerScoreParams::default();
     // Loopback test swarms share one IP; a real deployment sees one node per loopback at most.
-    p.ip_colocation_factor_whitelist = HashSet::from([IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)]);
+    p.ip_colocation_factor_whitelist = HashSet::from([
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(Ipv6Addr::LOCALHOST),
+    ]);
     if let Some(t) = topic {
         let tp = gossipsub::TopicScoreParams {
             topic_weight: 1.0,
@@ -221,12 +263,21 @@ pub fn score_params(topic: Option<&TopicHash>) -> (gossipsub::PeerScoreParams, g
 
 pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetError> {
     let me = key.public().to_peer_id();
-    let mut gossipsub = gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), gossip_config(cfg)?)
-        .map_err(|e| NetError::Gossip(e.to_string()))?;
-    let topic = cfg.topic.as_ref().map(|t| gossipsub::IdentTopic::new(t.clone()).hash());
+    let mut gossipsub = gossipsub::Behaviour::new(
+        MessageAuthenticity::Signed(key.clone()),
+        gossip_config(cfg)?,
+    )
+    .map_err(|e| NetError::Gossip(e.to_string()))?;
+    let topic = cfg
+        .topic
+        .as_ref()
+        .map(|t| gossipsub::IdentTopic::new(t.clone()).hash());
     let (p, th) = score_params(topic.as_ref());
     gossipsub.with_peer_score(p, th).map_err(NetError::Gossip)?;
-    let identify = identify::Behaviour::new(identify::Config::new(IDENTIFY_PROTOCOL.into(), key.public()));
+    let identify = identify::Behaviour::new(identify::Config::new(
+        IDENTIFY_PROTOCOL.into(),
+        key.public(),
+    ));
     let mut kcfg = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
     kcfg.set_query_timeout(Duration::from_secs(30));
     let mut kad = kad::Behaviour::with_config(me, kad::store::MemoryStore::new(me), kcfg);
@@ -238,7 +289,10 @@ pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetE
             max_request: cfg.max_request,
             max_response: cfg.max_response,
         },
-        [(StreamProtocol::new(REQ_PROTOCOL), request_response::ProtocolSupport::Full)],
+        [(
+            StreamProtocol::new(REQ_PROTOCOL),
+            request_response::ProtocolSupport::Full,
+        )],
         request_response::Config::default()
             .with_request_timeout(cfg.request_timeout)
             .with_max_concurrent_streams(64),
@@ -261,15 +315,26 @@ pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetE
 
 /// A tokio swarm listening on TCP (noise + yamux) and QUIC, with bandwidth counted into
 /// `registry` (the `libp2p_bandwidth` family: bytes after encryption is removed, per direction).
-pub fn build_swarm(key: Keypair, cfg: &NetConfig, registry: &mut libp2p::metrics::Registry) -> Result<Swarm<Behaviour>, NetError> {
+pub fn build_swarm(
+    key: Keypair,
+    cfg: &NetConfig,
+    registry: &mut libp2p::metrics::Registry,
+) -> Result<Swarm<Behaviour>, NetError> {
     let cfg = cfg.clone();
     let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
-        .with_tcp(tcp::Config::default().nodelay(true), noise::Config::new, yamux::Config::default)
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )
         .map_err(|e| NetError::Transport(e.to_string()))?
         .with_quic()
         .with_bandwidth_metrics(registry)
-        .with_behaviour(|k| build_behaviour(k, &cfg).map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>))
+        .with_behaviour(|k| {
+            build_behaviour(k, &cfg)
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        })
         .map_err(|e| NetError::Transport(e.to_string()))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(120)))
         .build();
@@ -331,14 +396,16 @@ impl RateLimit {
     pub fn allow(&mut self, peer: PeerId, now_ms: u64) -> bool {
         if !self.buckets.contains_key(&peer) && self.buckets.len() >= self.max_peers {
             let (rate, burst) = (self.rate, self.burst);
-            self.buckets
-                .retain(|_, (tokens, at)| *tokens + now_ms.saturating_sub(*at) as f64 / 1000.0 * rate < burst);
+            self.buckets.retain(|_, (tokens, at)| {
+                *tokens + now_ms.saturating_sub(*at) as f64 / 1000.0 * rate < burst
+            });
             if self.buckets.len() >= self.max_peers {
                 return false;
             }
         }
         let (tokens, at) = self.buckets.entry(peer).or_insert((self.burst, now_ms));
-        *tokens = (*tokens + now_ms.saturating_sub(*at) as f64 / 1000.0 * self.rate).min(self.burst);
+        *tokens =
+            (*tokens + now_ms.saturating_sub(*at) as f64 / 1000.0 * self.rate).min(self.burst);
         *at = now_ms;
         if *tokens >= 1.0 {
             *tokens -= 1.0;
@@ -370,7 +437,10 @@ mod tests {
 
     #[test]
     fn requests_round_trip_and_unknown_kinds_are_refused() {
-        for r in [Request::Frame(vec![1, 2, 3]), Request::Blob(ContentId([7; 32]))] {
+        for r in [
+            Request::Frame(vec![1, 2, 3]),
+            Request::Blob(ContentId([7; 32])),
+        ] {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         }
         assert!(Request::decode(&[9, 1]).is_err());

@@ -10,7 +10,12 @@ use train::run::Report;
 pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let steps = reports.iter().map(|(_, r)| r.steps.len()).max().unwrap_or(1).max(1) as f64;
+    let steps = reports
+        .iter()
+        .map(|(_, r)| r.steps.len())
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
     let all: Vec<f64> = reports
         .iter()
         .flat_map(|(_, r)| r.steps.iter().map(|s| s.train_loss).chain(r.loss_floor))
@@ -20,11 +25,28 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     // Skip the first few steps' huge losses when choosing the top of the axis.
     let hi = reports
         .iter()
-        .flat_map(|(_, r)| r.steps.iter().skip(r.steps.len() / 20).map(|s| s.train_loss))
+        .flat_map(|(_, r)| {
+            r.steps
+                .iter()
+                .skip(r.steps.len() / 20)
+                .map(|s| s.train_loss)
+        })
         .fold(lo + 0.1, f64::max);
     let title = match reports {
-        [(_, r)] => format!("{} · {} · {}", r.options.model.name, format!("{:?}", r.options.optimizer).to_lowercase(), short(&r.data)),
-        _ => format!("loss: {}", reports.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>().join(" vs ")),
+        [(_, r)] => format!(
+            "{} · {} · {}",
+            r.options.model.name,
+            format!("{:?}", r.options.optimizer).to_lowercase(),
+            short(&r.data)
+        ),
+        _ => format!(
+            "loss: {}",
+            reports
+                .iter()
+                .map(|(l, _)| l.as_str())
+                .collect::<Vec<_>>()
+                .join(" vs ")
+        ),
     };
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -43,21 +65,35 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     for (i, (label, r)) in reports.iter().enumerate() {
         let c = palette[i % palette.len()];
         chart
-            .draw_series(LineSeries::new(r.steps.iter().map(|s| (s.step as f64, s.train_loss)), c.mix(0.35)))
+            .draw_series(LineSeries::new(
+                r.steps.iter().map(|s| (s.step as f64, s.train_loss)),
+                c.mix(0.35),
+            ))
             .map_err(|e| anyhow!("{e}"))?
             .label(format!("{label} train"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.mix(0.35)));
-        let evals: Vec<(f64, f64)> = r.steps.iter().filter_map(|s| s.eval_loss.map(|e| (s.step as f64, e))).collect();
+        let evals: Vec<(f64, f64)> = r
+            .steps
+            .iter()
+            .filter_map(|s| s.eval_loss.map(|e| (s.step as f64, e)))
+            .collect();
         chart
             .draw_series(LineSeries::new(evals.clone(), c.stroke_width(3)))
             .map_err(|e| anyhow!("{e}"))?
             .label(format!("{label} eval (final {:.4})", r.final_eval_loss))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
-        chart.draw_series(evals.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(|e| anyhow!("{e}"))?;
+        chart
+            .draw_series(evals.iter().map(|&p| Circle::new(p, 3, c.filled())))
+            .map_err(|e| anyhow!("{e}"))?;
     }
     if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
         chart
-            .draw_series(DashedLineSeries::new(vec![(0.0, f), (steps, f)], 8, 6, BLACK.stroke_width(2)))
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, f), (steps, f)],
+                8,
+                6,
+                BLACK.stroke_width(2),
+            ))
             .map_err(|e| anyhow!("{e}"))?
             .label(format!("loss floor {f:.4}"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
@@ -79,7 +115,9 @@ fn short(s: &str) -> String {
 
 /// Final eval loss of each report, its distance to the floor and to the first report.
 pub fn summary_table(reports: &[(String, Report)]) {
-    let Some((_, base)) = reports.first() else { return };
+    let Some((_, base)) = reports.first() else {
+        return;
+    };
     println!(
         "{:<24} {:>10} {:>10} {:>9} {:>14} {:>14} {:>9}",
         "run", "eval loss", "vs floor", "vs first", "sent B/step", "recv B/step", "wall s"
@@ -90,7 +128,9 @@ pub fn summary_table(reports: &[(String, Report)]) {
             "{:<24} {:>10.4} {:>10} {:>+8.2}% {:>14} {:>14} {:>9.1}",
             label,
             r.final_eval_loss,
-            r.loss_floor.map(|f| format!("{:+.4}", r.final_eval_loss - f)).unwrap_or("-".into()),
+            r.loss_floor
+                .map(|f| format!("{:+.4}", r.final_eval_loss - f))
+                .unwrap_or("-".into()),
             (r.final_eval_loss / base.final_eval_loss - 1.0) * 100.0,
             last.map(|s| s.bytes_sent).unwrap_or(0),
             last.map(|s| s.bytes_received).unwrap_or(0),
@@ -104,24 +144,40 @@ pub fn summary_table(reports: &[(String, Report)]) {
 pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     let pts: Vec<(String, f64, f64)> = reports
         .iter()
-        .filter_map(|(l, r)| r.steps.last().map(|s| (l.clone(), s.bytes_sent.max(1) as f64, r.final_eval_loss)))
+        .filter_map(|(l, r)| {
+            r.steps
+                .last()
+                .map(|s| (l.clone(), s.bytes_sent.max(1) as f64, r.final_eval_loss))
+        })
         .collect();
     if pts.is_empty() {
         return Ok(());
     }
     let root = BitMapBackend::new(out, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let (xmin, xmax) = pts.iter().fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let (xmin, xmax) = pts
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
     let mut ys: Vec<f64> = pts.iter().map(|p| p.2).collect();
     ys.extend(reports.iter().filter_map(|(_, r)| r.loss_floor));
-    let (ymin, ymax) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
+    let (ymin, ymax) = ys
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| {
+            (a.min(y), b.max(y))
+        });
     let pad = 0.08 * (ymax - ymin).max(0.05);
     let mut chart = ChartBuilder::on(&root)
-        .caption("final eval loss against bytes sent per node per step", ("sans-serif", 22))
+        .caption(
+            "final eval loss against bytes sent per node per step",
+            ("sans-serif", 22),
+        )
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((xmin / 2.0..xmax * 2.0).log_scale(), (ymin - pad)..(ymax + pad))
+        .build_cartesian_2d(
+            (xmin / 2.0..xmax * 2.0).log_scale(),
+            (ymin - pad)..(ymax + pad),
+        )
         .map_err(|e| anyhow!("{e}"))?;
     chart
         .configure_mesh()
@@ -130,18 +186,34 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     chart
-        .draw_series(pts.iter().map(|(_, x, y)| Circle::new((*x, *y), 5, BLUE.filled())))
+        .draw_series(
+            pts.iter()
+                .map(|(_, x, y)| Circle::new((*x, *y), 5, BLUE.filled())),
+        )
         .map_err(|e| anyhow!("{e}"))?;
     chart
-        .draw_series(pts.iter().map(|(l, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 15))))
+        .draw_series(
+            pts.iter()
+                .map(|(l, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 15))),
+        )
         .map_err(|e| anyhow!("{e}"))?;
     if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
         chart
-            .draw_series(DashedLineSeries::new(vec![(xmin / 2.0, f), (xmax * 2.0, f)], 8, 6, BLACK.stroke_width(2)))
+            .draw_series(DashedLineSeries::new(
+                vec![(xmin / 2.0, f), (xmax * 2.0, f)],
+                8,
+                6,
+                BLACK.stroke_width(2),
+            ))
             .map_err(|e| anyhow!("{e}"))?
             .label(format!("loss floor {f:.4}"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(|e| anyhow!("{e}"))?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
     }
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())

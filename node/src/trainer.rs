@@ -28,10 +28,27 @@ pub enum Cmd {
 }
 
 pub enum Reply {
-    Ready { digest: [u8; 32], params: i64 },
-    Trained { step: u64, blob: Vec<u8>, tokens: u64, loss: f64, ms: u64 },
-    Applied { step: u64, digest: [u8; 32], ms: u64, included: usize },
-    Saved { version: u64, path: PathBuf },
+    Ready {
+        digest: [u8; 32],
+        params: i64,
+    },
+    Trained {
+        step: u64,
+        blob: Vec<u8>,
+        tokens: u64,
+        loss: f64,
+        ms: u64,
+    },
+    Applied {
+        step: u64,
+        digest: [u8; 32],
+        ms: u64,
+        included: usize,
+    },
+    Saved {
+        version: u64,
+        path: PathBuf,
+    },
     Failed(String),
 }
 
@@ -48,7 +65,14 @@ pub fn data_spec(run: &RunConfig, local: Option<&str>) -> Result<DataSpec> {
             path: path.to_string(),
             tokenizer: (!tokenizer.is_empty() && tokenizer != "bytes").then(|| tokenizer.clone()),
         }),
-        (RunData::Tokens { vocab, bytes_per_token, .. }, Some(path)) => Ok(DataSpec::Shard {
+        (
+            RunData::Tokens {
+                vocab,
+                bytes_per_token,
+                ..
+            },
+            Some(path),
+        ) => Ok(DataSpec::Shard {
             path: path.to_string(),
             width: *bytes_per_token as u32 * 8,
             vocab: *vocab as usize,
@@ -69,10 +93,19 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    pub fn new(run: &RunConfig, corpus: Corpus, node: Vec<u8>, batch: usize, device: Device, resume: Option<&std::path::Path>) -> Result<Trainer> {
+    pub fn new(
+        run: &RunConfig,
+        corpus: Corpus,
+        node: Vec<u8>,
+        batch: usize,
+        device: Device,
+        resume: Option<&std::path::Path>,
+    ) -> Result<Trainer> {
         let mut model = Llama::new(&run.model, device, run.seed);
         if let Some(p) = resume {
-            model.load(p).with_context(|| format!("loading {}", p.display()))?;
+            model
+                .load(p)
+                .with_context(|| format!("loading {}", p.display()))?;
         }
         let state = DemoState::new(&model.params);
         let codec = DctCodec::new(run.layout(), device);
@@ -90,12 +123,26 @@ impl Trainer {
 
     fn lr(&self, step: u64) -> f64 {
         let o = &self.run.optim;
-        lr_at(step.min(u32::MAX as u64) as u32, o.lr, o.warmup_steps, o.total_steps, o.min_lr_ratio)
+        lr_at(
+            step.min(u32::MAX as u64) as u32,
+            o.lr,
+            o.warmup_steps,
+            o.total_steps,
+            o.min_lr_ratio,
+        )
     }
 
     fn train(&mut self, step: u64) -> (Vec<u8>, u64, f64) {
         let seq = self.run.model.seq_len as usize;
-        let (x, y) = self.corpus.batch("train", self.run.seed, &self.node, step, self.batch, seq, self.device);
+        let (x, y) = self.corpus.batch(
+            "train",
+            self.run.seed,
+            &self.node,
+            step,
+            self.batch,
+            seq,
+            self.device,
+        );
         self.model.zero_grad();
         let loss = self.model.loss(&x, &y);
         loss.backward();
@@ -123,12 +170,21 @@ impl Trainer {
         let refs: Vec<&SparseUpdate> = decoded.iter().collect();
         let agg = sparse::aggregate(&self.run.layout(), &refs);
         let signs = self.codec.exact_sign(&agg);
-        apply_sign_step(&self.model.params, &signs, self.lr(step), self.run.optim.weight_decay);
+        apply_sign_step(
+            &self.model.params,
+            &signs,
+            self.lr(step),
+            self.run.optim.weight_decay,
+        );
         Ok(())
     }
 
     /// Serve commands until the loop hangs up.
-    pub fn serve(mut self, mut cmds: tokio::sync::mpsc::Receiver<Cmd>, replies: tokio::sync::mpsc::Sender<Reply>) {
+    pub fn serve(
+        mut self,
+        mut cmds: tokio::sync::mpsc::Receiver<Cmd>,
+        replies: tokio::sync::mpsc::Sender<Reply>,
+    ) {
         let _ = replies.blocking_send(Reply::Ready {
             digest: self.model.digest(),
             params: self.model.numel(),

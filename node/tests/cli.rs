@@ -18,13 +18,28 @@ fn tmp(name: &str) -> PathBuf {
 fn keygen_refuses_to_overwrite_and_id_matches() {
     let d = tmp("keys");
     let key = d.join("node.key");
-    let out = swarm().args(["keygen", "--out"]).arg(&key).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = swarm()
+        .args(["keygen", "--out"])
+        .arg(&key)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let id = String::from_utf8(out.stdout).unwrap();
     assert!(id.starts_with("12D3KooW"), "{id}");
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
-    let again = swarm().args(["keygen", "--out"]).arg(&key).output().unwrap();
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let again = swarm()
+        .args(["keygen", "--out"])
+        .arg(&key)
+        .output()
+        .unwrap();
     assert!(!again.status.success());
     let shown = swarm().arg("id").arg(&key).output().unwrap();
     assert_eq!(String::from_utf8(shown.stdout).unwrap(), id);
@@ -35,11 +50,28 @@ fn train_writes_report_and_plot() {
     let d = tmp("train");
     let report = d.join("r.json");
     let out = swarm()
-        .args(["train", "--steps", "6", "--replicas", "2", "--eval-every", "3", "--eval-batches", "1", "--device", "cpu", "--report"])
+        .args([
+            "train",
+            "--steps",
+            "6",
+            "--replicas",
+            "2",
+            "--eval-every",
+            "3",
+            "--eval-batches",
+            "1",
+            "--device",
+            "cpu",
+            "--report",
+        ])
         .arg(&report)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("loss floor"), "{stdout}");
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
@@ -60,22 +92,45 @@ fn codec_encode_decode_and_size() {
     tch::Tensor::write_safetensors(&[("a", a), ("b", b)], &input).unwrap();
     for (name, values) in [("u1.bin", "sign"), ("u2.bin", "sign")] {
         let out = swarm()
-            .args(["codec", "encode", "--topk", "4", "--values", values, "--input"])
+            .args([
+                "codec", "encode", "--topk", "4", "--values", values, "--input",
+            ])
             .arg(&input)
             .arg("--output")
             .arg(d.join(name))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let dec = d.join("d.safetensors");
-    let out = swarm().args(["codec", "decode"]).arg(d.join("u1.bin")).arg(d.join("u2.bin")).arg("--output").arg(&dec).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = swarm()
+        .args(["codec", "decode"])
+        .arg(d.join("u1.bin"))
+        .arg(d.join("u2.bin"))
+        .arg("--output")
+        .arg(&dec)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let t = tch::Tensor::read_safetensors(&dec).unwrap();
     assert_eq!(t.len(), 2);
-    assert_eq!(t.iter().find(|(n, _)| n == "a").unwrap().1.size(), vec![128, 64]);
+    assert_eq!(
+        t.iter().find(|(n, _)| n == "a").unwrap().1.size(),
+        vec![128, 64]
+    );
 
-    let out = swarm().args(["codec", "size", "--model", "1.2b"]).output().unwrap();
+    let out = swarm()
+        .args(["codec", "size", "--model", "1.2b"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("one update"), "{s}");

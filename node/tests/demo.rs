@@ -8,14 +8,27 @@ fn short_demo_trains_and_digests_agree() {
     let out = std::env::temp_dir().join(format!("swarm-demo-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let res = Command::new(env!("CARGO_BIN_EXE_swarm"))
-        .args(["demo", "--trainers", "2", "--steps", "6", "--period-ms", "1500", "--start-in", "6", "--no-baseline", "--out"])
+        .args([
+            "demo",
+            "--trainers",
+            "2",
+            "--steps",
+            "6",
+            "--period-ms",
+            "1500",
+            "--start-in",
+            "6",
+            "--no-baseline",
+            "--out",
+        ])
         .arg(&out)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&res.stdout);
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "demo failed:\n{stdout}\n{stderr}");
-    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["digests_agree"], true, "{r}");
     assert!(r["common_steps"].as_u64().unwrap() >= 6, "{r}");
     // Both trainers' updates made it into the steps after the first (each saw the other).
@@ -37,7 +50,18 @@ fn kill_9_one_trainer_and_the_rest_go_on_agreeing() {
     let out = std::env::temp_dir().join(format!("swarm-demo-kill-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let res = Command::new(env!("CARGO_BIN_EXE_swarm"))
-        .args(["demo", "--trainers", "3", "--steps", "10", "--period-ms", "1500", "--start-in", "6", "--no-baseline"])
+        .args([
+            "demo",
+            "--trainers",
+            "3",
+            "--steps",
+            "10",
+            "--period-ms",
+            "1500",
+            "--start-in",
+            "6",
+            "--no-baseline",
+        ])
         .args(["--kill-at", "3", "--out"])
         .arg(&out)
         .output()
@@ -45,16 +69,24 @@ fn kill_9_one_trainer_and_the_rest_go_on_agreeing() {
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "demo failed:\n{stderr}");
     assert!(stderr.contains("killed node2 (kill -9)"), "{stderr}");
-    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["digests_agree"], true, "{r}");
     let nodes = r["nodes"].as_array().unwrap();
     let dead = nodes[2]["steps"].as_array().unwrap();
-    assert!((4..10).contains(&dead.len()), "the killed trainer stopped early: {} steps", dead.len());
+    assert!(
+        (4..10).contains(&dead.len()),
+        "the killed trainer stopped early: {} steps",
+        dead.len()
+    );
     for n in &nodes[..2] {
         let steps = n["steps"].as_array().unwrap();
         assert_eq!(steps.len(), 10, "{n}");
         // Two steps after the kill, only the two survivors' updates are applied.
-        assert!(steps[dead.len() + 1..].iter().all(|s| s["included"] == 2), "{n}");
+        assert!(
+            steps[dead.len() + 1..].iter().all(|s| s["included"] == 2),
+            "{n}"
+        );
     }
     let _ = std::fs::remove_dir_all(&out);
 }

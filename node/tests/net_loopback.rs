@@ -36,8 +36,14 @@ async fn node() -> Node {
     let key = libp2p::identity::Keypair::generate_ed25519();
     let mut reg = libp2p::metrics::Registry::default();
     let mut swarm = build_swarm(key, &config(), &mut reg).unwrap();
-    swarm.behaviour_mut().gossipsub.subscribe(&IdentTopic::new("swarm/test/v1")).unwrap();
-    swarm.listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap()).unwrap();
+    swarm
+        .behaviour_mut()
+        .gossipsub
+        .subscribe(&IdentTopic::new("swarm/test/v1"))
+        .unwrap();
+    swarm
+        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .unwrap();
     let addr = loop {
         if let SwarmEvent::NewListenAddr { address, .. } = swarm.select_next_some().await {
             break address;
@@ -72,8 +78,13 @@ fn on_event(n: &mut Node, ev: SwarmEvent<BehaviourEvent>) {
                 .report_message_validation_result(&message_id, &propagation_source, verdict);
             n.got.push(message.data);
         }
-        SwarmEvent::Behaviour(BehaviourEvent::Rr(request_response::Event::Message { message, .. })) => match message {
-            request_response::Message::Request { request, channel, .. } => {
+        SwarmEvent::Behaviour(BehaviourEvent::Rr(request_response::Event::Message {
+            message,
+            ..
+        })) => match message {
+            request_response::Message::Request {
+                request, channel, ..
+            } => {
                 let resp = match request {
                     Request::Blob(id) => n.blobs.get(&id).cloned().unwrap_or_default(),
                     Request::Frame(_) => Vec::new(),
@@ -82,9 +93,10 @@ fn on_event(n: &mut Node, ev: SwarmEvent<BehaviourEvent>) {
             }
             request_response::Message::Response { response, .. } => n.fetched.push(Ok(response)),
         },
-        SwarmEvent::Behaviour(BehaviourEvent::Rr(request_response::Event::OutboundFailure { error, .. })) => {
-            n.fetched.push(Err(error.to_string()))
-        }
+        SwarmEvent::Behaviour(BehaviourEvent::Rr(request_response::Event::OutboundFailure {
+            error,
+            ..
+        })) => n.fetched.push(Err(error.to_string())),
         _ => {}
     }
 }
@@ -95,10 +107,15 @@ async fn drive(nodes: &mut [Node], secs: u64, mut done: impl FnMut(&[Node]) -> b
     while !done(nodes) {
         assert!(tokio::time::Instant::now() < deadline, "timed out");
         let evs = {
-            let futs = nodes.iter_mut().enumerate().map(|(i, n)| {
-                Box::pin(async move { (i, n.swarm.select_next_some().await) })
-            });
-            tokio::time::timeout(Duration::from_millis(100), futures::future::select_all(futs)).await
+            let futs = nodes
+                .iter_mut()
+                .enumerate()
+                .map(|(i, n)| Box::pin(async move { (i, n.swarm.select_next_some().await) }));
+            tokio::time::timeout(
+                Duration::from_millis(100),
+                futures::future::select_all(futs),
+            )
+            .await
         };
         if let Ok(((i, ev), _, _)) = evs {
             on_event(&mut nodes[i], ev);
@@ -119,27 +136,52 @@ async fn gossip_with_manual_validation_and_blob_fetch() {
     // A line: 1 — 0 — 2. Node 2 only hears what node 0 forwards, after node 0 accepted it.
     nodes[1].swarm.dial(a_addr.clone()).unwrap();
     nodes[2].swarm.dial(a_addr).unwrap();
-    drive(&mut nodes, 20, |n| mesh_size(&n[0]) == 2 && mesh_size(&n[1]) == 1 && mesh_size(&n[2]) == 1).await;
+    drive(&mut nodes, 20, |n| {
+        mesh_size(&n[0]) == 2 && mesh_size(&n[1]) == 1 && mesh_size(&n[2]) == 1
+    })
+    .await;
 
     let topic = IdentTopic::new("swarm/test/v1");
-    nodes[1].swarm.behaviour_mut().gossipsub.publish(topic.clone(), b"ok hello".to_vec()).unwrap();
+    nodes[1]
+        .swarm
+        .behaviour_mut()
+        .gossipsub
+        .publish(topic.clone(), b"ok hello".to_vec())
+        .unwrap();
     drive(&mut nodes, 10, |n| !n[2].got.is_empty()).await;
     assert_eq!(nodes[0].got, vec![b"ok hello".to_vec()]);
     assert_eq!(nodes[2].got, vec![b"ok hello".to_vec()]);
 
     // A rejected message stops at the first validator.
-    nodes[1].swarm.behaviour_mut().gossipsub.publish(topic.clone(), b"bad".to_vec()).unwrap();
+    nodes[1]
+        .swarm
+        .behaviour_mut()
+        .gossipsub
+        .publish(topic.clone(), b"bad".to_vec())
+        .unwrap();
     drive(&mut nodes, 10, |n| n[0].got.len() == 2).await;
     let quiet = tokio::time::Instant::now() + Duration::from_millis(1500);
     drive(&mut nodes, 10, |_| tokio::time::Instant::now() > quiet).await;
-    assert_eq!(nodes[2].got.len(), 1, "node 0 must not forward what it rejected");
+    assert_eq!(
+        nodes[2].got.len(),
+        1,
+        "node 0 must not forward what it rejected"
+    );
 
     // Node 2 fetches a blob from node 0 by id; an unknown id comes back empty.
     let blob = vec![42u8; 10_000];
     let id = ContentId::of(&blob);
     nodes[0].blobs.insert(id, blob.clone());
-    nodes[2].swarm.behaviour_mut().rr.send_request(&a_id, Request::Blob(id));
-    nodes[2].swarm.behaviour_mut().rr.send_request(&a_id, Request::Blob(ContentId([0; 32])));
+    nodes[2]
+        .swarm
+        .behaviour_mut()
+        .rr
+        .send_request(&a_id, Request::Blob(id));
+    nodes[2]
+        .swarm
+        .behaviour_mut()
+        .rr
+        .send_request(&a_id, Request::Blob(ContentId([0; 32])));
     drive(&mut nodes, 10, |n| n[2].fetched.len() == 2).await;
     let mut got: Vec<_> = nodes[2].fetched.drain(..).map(|r| r.unwrap()).collect();
     got.sort_by_key(|b| b.len());
@@ -149,7 +191,15 @@ async fn gossip_with_manual_validation_and_blob_fetch() {
     let big = vec![1u8; 20_000];
     let big_id = ContentId::of(&big);
     nodes[0].blobs.insert(big_id, big);
-    nodes[2].swarm.behaviour_mut().rr.send_request(&a_id, Request::Blob(big_id));
+    nodes[2]
+        .swarm
+        .behaviour_mut()
+        .rr
+        .send_request(&a_id, Request::Blob(big_id));
     drive(&mut nodes, 10, |n| n[2].fetched.len() == 1).await;
-    assert!(nodes[2].fetched[0].is_err(), "{:?}", nodes[2].fetched[0].as_ref().map(|b| b.len()));
+    assert!(
+        nodes[2].fetched[0].is_err(),
+        "{:?}",
+        nodes[2].fetched[0].as_ref().map(|b| b.len())
+    );
 }

@@ -31,7 +31,10 @@ fn main() {
         "bench",
         model,
         optim,
-        DataSpec::Synthetic { seed: 0, vocab: 32000 },
+        DataSpec::Synthetic {
+            seed: 0,
+            vocab: 32000,
+        },
         timing,
     );
     run.validate().unwrap();
@@ -83,7 +86,11 @@ fn main() {
         layout.blocks(),
         run.optim.values
     );
-    println!("blob: {} bytes ({:.3} MB)", blob.len(), blob.len() as f64 / 1e6);
+    println!(
+        "blob: {} bytes ({:.3} MB)",
+        blob.len(),
+        blob.len() as f64 / 1e6
+    );
 
     let iters = 15;
     // Sender: content id of the blob + sign the header.
@@ -138,7 +145,12 @@ fn main() {
         rules.check_blob(&h.body, &b).unwrap();
         frame_t.push(t0.elapsed().as_secs_f64());
     }
-    let (s, v, f, sg) = (median(sign_t), median(verify_t), median(frame_t), median(sig_t));
+    let (s, v, f, sg) = (
+        median(sign_t),
+        median(verify_t),
+        median(frame_t),
+        median(sig_t),
+    );
     let gbps = |t: f64| blob.len() as f64 / t / 1e9;
     println!(
         "sign (blob id + header signature): {:.3} ms ({:.2} GB/s of blob)",
@@ -169,7 +181,9 @@ fn main() {
     stage("blake3 content id", &|| {
         std::hint::black_box(ContentId::of(&blob));
     });
-    stage("cbor pre-check", &|| protocol::cbor::precheck(&blob).unwrap());
+    stage("cbor pre-check", &|| {
+        protocol::cbor::precheck(&blob).unwrap()
+    });
     stage("SparseUpdate::decode (incl. canonical re-encode)", &|| {
         std::hint::black_box(SparseUpdate::decode(&blob, blob.len()).unwrap());
     });

@@ -88,7 +88,8 @@ pub fn precheck(b: &[u8]) -> Result<(), PrecheckError> {
             }
             4 | 5 => {
                 let items = if major == 5 {
-                    arg.checked_mul(2).ok_or(PrecheckError::LengthExceedsInput)?
+                    arg.checked_mul(2)
+                        .ok_or(PrecheckError::LengthExceedsInput)?
                 } else {
                     arg
                 };
@@ -115,14 +116,19 @@ mod tests {
 
     #[test]
     fn accepts_what_serde_cbor_writes() {
-        let v: Vec<(String, Vec<u8>, Option<f64>)> =
-            vec![("a".into(), vec![1, 2, 3], Some(1.5)), ("b".into(), vec![], None)];
+        let v: Vec<(String, Vec<u8>, Option<f64>)> = vec![
+            ("a".into(), vec![1, 2, 3], Some(1.5)),
+            ("b".into(), vec![], None),
+        ];
         let enc = serde_cbor::to_vec(&v).unwrap();
         precheck(&enc).unwrap();
         let mut trailing = enc.clone();
         trailing.push(0);
         assert_eq!(precheck(&trailing), Err(PrecheckError::TrailingBytes));
-        assert_eq!(precheck(&enc[..enc.len() - 1]), Err(PrecheckError::Truncated));
+        assert_eq!(
+            precheck(&enc[..enc.len() - 1]),
+            Err(PrecheckError::Truncated)
+        );
     }
 
     #[test]

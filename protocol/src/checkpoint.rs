@@ -147,7 +147,9 @@ impl CheckpointManifest {
     }
 
     pub fn total_bytes(&self) -> u64 {
-        self.tensors.iter().fold(0u64, |a, t| a.saturating_add(t.byte_len()))
+        self.tensors
+            .iter()
+            .fold(0u64, |a, t| a.saturating_add(t.byte_len()))
     }
 
     /// Internal consistency: the digest matches the tensors, the chunk count matches the size.

@@ -42,7 +42,9 @@ impl std::str::FromStr for ValueCodec {
             "sign" => Ok(ValueCodec::Sign),
             "bf16" => Ok(ValueCodec::Bf16),
             "f32" => Ok(ValueCodec::F32),
-            other => Err(format!("unknown value codec {other:?} (expected sign, bf16 or f32)")),
+            other => Err(format!(
+                "unknown value codec {other:?} (expected sign, bf16 or f32)"
+            )),
         }
     }
 }

@@ -37,7 +37,8 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use crate::error::WireError;
 use crate::run::{RunConfig, RunId};
 use crate::wire::{
-    caps, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader, UpdateRules, PROTOCOL_VERSION,
+    caps, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader, UpdateRules,
+    PROTOCOL_VERSION,
 };
 
 /// Something that happened, fed to [`Engine::handle`].
@@ -328,7 +329,13 @@ enum Via {
 impl Engine {
     /// A node of `run`. With `genesis` (the digest of the seeded initial parameters) and a
     /// `now` before step 0 is applied, it starts synced at version 0; otherwise it joins.
-    pub fn new(run: RunConfig, me: Identity, genesis: Option<Digest>, now: u64, rng_seed: u64) -> Engine {
+    pub fn new(
+        run: RunConfig,
+        me: Identity,
+        genesis: Option<Digest>,
+        now: u64,
+        rng_seed: u64,
+    ) -> Engine {
         let run_id = run.run_id();
         let rules = UpdateRules::new(&run);
         let me_id = me.node_id();
@@ -449,10 +456,16 @@ impl Engine {
     pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
         let mut out = Vec::new();
         match ev {
-            Event::Message { from, tag, bytes } => self.on_message(from, tag, &bytes, now, &mut out),
-            Event::Fetched { from, blob, bytes } => self.on_fetched(from, blob, &bytes, now, &mut out),
+            Event::Message { from, tag, bytes } => {
+                self.on_message(from, tag, &bytes, now, &mut out)
+            }
+            Event::Fetched { from, blob, bytes } => {
+                self.on_fetched(from, blob, &bytes, now, &mut out)
+            }
             Event::FetchFailed { from, blob } => self.fetch_failed(from, blob),
-            Event::LocalUpdate { step, blob, tokens } => self.on_local(step, blob, tokens, now, &mut out),
+            Event::LocalUpdate { step, blob, tokens } => {
+                self.on_local(step, blob, tokens, now, &mut out)
+            }
             Event::Timer => {}
             Event::PeerConnected { peer } => {
                 if let Some(p) = self.peer_mut(peer) {
@@ -547,7 +560,10 @@ impl Engine {
             points,
         });
         if ban {
-            out.push(Action::Ban { peer, reason: error });
+            out.push(Action::Ban {
+                peer,
+                reason: error,
+            });
             for w in self.wants.values_mut() {
                 if let Some(i) = w.candidates.iter().position(|c| *c == peer) {
                     w.tried[i] = true;
@@ -603,7 +619,14 @@ impl Engine {
     // -----------------------------------------------------------------------------------------
     // messages
 
-    fn on_message(&mut self, from: NodeId, tag: Option<u64>, bytes: &[u8], now: u64, out: &mut Vec<Action>) {
+    fn on_message(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        bytes: &[u8],
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
         self.metrics.messages += 1;
         if self.is_banned(&from) {
             Self::verdict(tag, Verdict::Ignore, out);
@@ -624,7 +647,9 @@ impl Engine {
         };
         match msg {
             Message::Hello(h) => self.on_hello(from, h, now, out),
-            Message::Announce { header, blob } => self.on_announce(from, tag, header, blob, now, out),
+            Message::Announce { header, blob } => {
+                self.on_announce(from, tag, header, blob, now, out)
+            }
             Message::Summary(s) => self.on_summary(from, tag, s, now, out),
             Message::Equivocation(p) => self.on_proof(from, tag, p, now, out),
             other => {
@@ -720,7 +745,8 @@ impl Engine {
         if h.run != self.run_id {
             return Err((WireError::WrongRun, Verdict::Ignore));
         }
-        self.in_window(step, now).map_err(|e| (e, Verdict::Ignore))?;
+        self.in_window(step, now)
+            .map_err(|e| (e, Verdict::Ignore))?;
         let late = match via {
             Via::Gossip => now > self.run.timing.publish_deadline(step),
             Via::Fetch => false,
@@ -769,7 +795,11 @@ impl Engine {
         }
         let cur = self.run.timing.step_at(now);
         if step > cur {
-            let early: usize = self.steps.range(cur + 1..).map(|(_, s)| s.headers.len()).sum();
+            let early: usize = self
+                .steps
+                .range(cur + 1..)
+                .map(|(_, s)| s.headers.len())
+                .sum();
             if early >= l.max_early_updates as usize {
                 return Err((WireError::BufferFull("early updates"), Verdict::Ignore));
             }
@@ -789,8 +819,19 @@ impl Engine {
     }
 
     /// Validate and store the blob of a held header. Returns whether it was valid.
-    fn accept_blob(&mut self, from: NodeId, step: u64, sender: NodeId, blob: Vec<u8>, out: &mut Vec<Action>) -> bool {
-        let Some(e) = self.steps.get_mut(&step).and_then(|s| s.headers.get_mut(&sender)) else {
+    fn accept_blob(
+        &mut self,
+        from: NodeId,
+        step: u64,
+        sender: NodeId,
+        blob: Vec<u8>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let Some(e) = self
+            .steps
+            .get_mut(&step)
+            .and_then(|s| s.headers.get_mut(&sender))
+        else {
             return false;
         };
         let id = e.header.body.blob;
@@ -808,7 +849,10 @@ impl Engine {
             Err(err) => {
                 // A blob that matches the signed id but is invalid is the sender's fault; one
                 // that does not match the id is only the relay's.
-                let signer_fault = !matches!(err, WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. });
+                let signer_fault = !matches!(
+                    err,
+                    WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. }
+                );
                 if signer_fault {
                     e.invalid = true;
                     self.resolve_want(id, Verdict::Reject, out);
@@ -822,13 +866,21 @@ impl Engine {
         }
     }
 
-    fn on_summary(&mut self, from: NodeId, tag: Option<u64>, s: Signed<StepSummary>, now: u64, out: &mut Vec<Action>) {
+    fn on_summary(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        s: Signed<StepSummary>,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
         let (step, sender) = (s.body.step, s.body.sender);
         let res = (|| {
             if s.body.run != self.run_id {
                 return Err((WireError::WrongRun, Verdict::Ignore));
             }
-            self.in_window(step, now).map_err(|e| (e, Verdict::Ignore))?;
+            self.in_window(step, now)
+                .map_err(|e| (e, Verdict::Ignore))?;
             if now > self.run.timing.apply_at(step) || self.closed(step) {
                 self.metrics.late += 1;
                 return Err((WireError::Late { step }, Verdict::Ignore));
@@ -875,7 +927,14 @@ impl Engine {
         self.check_desync(out);
     }
 
-    fn on_proof(&mut self, from: NodeId, tag: Option<u64>, p: EquivocationProof, now: u64, out: &mut Vec<Action>) {
+    fn on_proof(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        p: EquivocationProof,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
         let (sender, step) = match p.verify(&self.run_id) {
             Ok(x) => x,
             Err(e) => {
@@ -906,8 +965,19 @@ impl Engine {
         }
     }
 
-    fn on_fetched(&mut self, from: NodeId, blob: ContentId, bytes: &[u8], now: u64, out: &mut Vec<Action>) {
-        let Some(w) = self.wants.get_mut(&blob).filter(|w| w.inflight == Some(from)) else {
+    fn on_fetched(
+        &mut self,
+        from: NodeId,
+        blob: ContentId,
+        bytes: &[u8],
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(w) = self
+            .wants
+            .get_mut(&blob)
+            .filter(|w| w.inflight == Some(from))
+        else {
             // A response we did not ask for (or no longer need): do not even decode it.
             self.metrics.ignored += 1;
             return;
@@ -916,7 +986,9 @@ impl Engine {
         self.inflight -= 1;
         let (header, data) = match Message::decode(bytes, &self.run.limits) {
             Ok(Message::Update { header, blob }) => (header, blob),
-            Ok(other) => return self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out),
+            Ok(other) => {
+                return self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out)
+            }
             Err(e) => return self.blame(from, e, out),
         };
         if header.body.blob != blob {
@@ -988,7 +1060,10 @@ impl Engine {
                 },
             );
         }
-        let banned: Vec<bool> = from.iter().map(|p| self.is_banned(p) || *p == self.me_id).collect();
+        let banned: Vec<bool> = from
+            .iter()
+            .map(|p| self.is_banned(p) || *p == self.me_id)
+            .collect();
         let w = self.wants.get_mut(&id).expect("present");
         for (p, b) in from.iter().zip(banned) {
             if !b && !w.candidates.contains(p) && w.candidates.len() < max_c {
@@ -1058,7 +1133,9 @@ impl Engine {
     // the local update
 
     fn on_local(&mut self, step: u64, blob: Vec<u8>, tokens: u64, now: u64, out: &mut Vec<Action>) {
-        let refuse = |error, out: &mut Vec<Action>| out.push(Action::Report(Report::LocalRefused { step, error }));
+        let refuse = |error, out: &mut Vec<Action>| {
+            out.push(Action::Report(Report::LocalRefused { step, error }))
+        };
         if self.sync != SyncState::Synced {
             return refuse(WireError::Checkpoint("not synced"), out);
         }
@@ -1186,20 +1263,27 @@ impl Engine {
         };
         let quorum = self.run.limits.attest_quorum as usize;
         if let Some((v, d)) = loaded {
-            let ok = self.attesters(v, &d).len() >= quorum && self.run.timing.publish_deadline(v) > self.since;
+            let ok = self.attesters(v, &d).len() >= quorum
+                && self.run.timing.publish_deadline(v) > self.since;
             if ok {
                 self.sync = SyncState::Synced;
                 self.version = v;
                 self.digest = d;
                 self.synced_at = now;
                 self.next_start = self.run.timing.step_at(now).max(self.next_start);
-                out.push(Action::Report(Report::Synced { version: v, digest: d }));
+                out.push(Action::Report(Report::Synced {
+                    version: v,
+                    digest: d,
+                }));
                 return;
             }
             let newest = self.attest.keys().next_back().copied().unwrap_or(0);
             if newest > v + self.run.limits.past_steps as u64 {
                 // Nobody attests it and the run has moved on: ask again.
-                out.push(Action::Report(Report::CheckpointUnattested { version: v, digest: d }));
+                out.push(Action::Report(Report::CheckpointUnattested {
+                    version: v,
+                    digest: d,
+                }));
                 self.sync = SyncState::Joining {
                     requested: None,
                     loaded: None,
@@ -1236,7 +1320,10 @@ impl Engine {
                 requested: Some(v),
                 loaded: None,
             };
-            out.push(Action::RequestCheckpoint { min_version: v, peers });
+            out.push(Action::RequestCheckpoint {
+                min_version: v,
+                peers,
+            });
         }
     }
 
@@ -1270,7 +1357,9 @@ impl Engine {
             let mut ids: Vec<ContentId> = st
                 .headers
                 .iter()
-                .filter(|(s, e)| e.blob.is_some() && !e.invalid && !st.equivocators.contains_key(*s))
+                .filter(|(s, e)| {
+                    e.blob.is_some() && !e.invalid && !st.equivocators.contains_key(*s)
+                })
                 .map(|(_, e)| e.header.body.blob)
                 .collect();
             ids.sort();

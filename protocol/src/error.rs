@@ -10,7 +10,11 @@ use crate::sparse::SparseError;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum WireError {
     #[error("{what} is {len} bytes, over the limit of {max}")]
-    Oversize { what: &'static str, len: usize, max: usize },
+    Oversize {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error("empty or truncated frame")]
     Truncated,
     #[error("unknown wire version {0}")]
@@ -36,7 +40,11 @@ pub enum WireError {
     #[error("step {step} closed for updates")]
     Late { step: u64 },
     #[error("header {field} is {got}, the run requires {want}")]
-    HeaderMismatch { field: &'static str, got: u64, want: u64 },
+    HeaderMismatch {
+        field: &'static str,
+        got: u64,
+        want: u64,
+    },
     #[error("blob is {got} bytes, its header says {want}")]
     BlobLength { got: u64, want: u64 },
     #[error("blob hashes to {got:?}, its header names {want:?}")]
@@ -44,7 +52,11 @@ pub enum WireError {
     #[error("invalid update: {0}")]
     Sparse(#[from] SparseError),
     #[error("{what}: {n} entries, over the limit of {max}")]
-    TooMany { what: &'static str, n: usize, max: usize },
+    TooMany {
+        what: &'static str,
+        n: usize,
+        max: usize,
+    },
     #[error("{0}: entries not strictly ascending")]
     NotAscending(&'static str),
     #[error("hello from {claimed:?} arrived over the connection of {peer:?}")]

@@ -3,11 +3,11 @@
 //! Nothing in this crate does I/O or depends on tch, tokio or libp2p, so the network shell,
 //! the simulator and validators all read the same definitions.
 
-pub mod config;
-pub mod sparse;
 pub mod cbor;
 pub mod checkpoint;
+pub mod config;
+pub mod engine;
 pub mod error;
 pub mod run;
+pub mod sparse;
 pub mod wire;
-pub mod engine;

@@ -50,10 +50,12 @@ pub struct StepTiming {
 
 impl StepTiming {
     pub fn step_start(&self, t: u64) -> u64 {
-        self.genesis_ms.saturating_add(t.saturating_mul(self.period_ms))
+        self.genesis_ms
+            .saturating_add(t.saturating_mul(self.period_ms))
     }
     pub fn publish_deadline(&self, t: u64) -> u64 {
-        self.step_start(t.saturating_add(1)).saturating_add(self.grace_ms)
+        self.step_start(t.saturating_add(1))
+            .saturating_add(self.grace_ms)
     }
     pub fn apply_at(&self, t: u64) -> u64 {
         self.publish_deadline(t).saturating_add(self.summary_ms)
@@ -149,7 +151,11 @@ pub enum RunConfigError {
     #[error("step period must be positive")]
     ZeroPeriod,
     #[error("grace ({grace} ms) + summary ({summary} ms) must fit in one period ({period} ms), or step t+1 would start before step t-1 is applied")]
-    TimingOverlap { grace: u64, summary: u64, period: u64 },
+    TimingOverlap {
+        grace: u64,
+        summary: u64,
+        period: u64,
+    },
     #[error("limit {0} must be positive")]
     ZeroLimit(&'static str),
     #[error("an update of this model is {need} bytes, over max_blob_bytes {max}")]
@@ -179,7 +185,13 @@ impl RunConfig {
     }
 
     /// A config for `model` with bounds sized to its update and the given timing.
-    pub fn new(name: &str, model: ModelConfig, optim: OptimConfig, data: DataSpec, timing: StepTiming) -> RunConfig {
+    pub fn new(
+        name: &str,
+        model: ModelConfig,
+        optim: OptimConfig,
+        data: DataSpec,
+        timing: StepTiming,
+    ) -> RunConfig {
         let layout = Layout::for_model(&model, optim.chunk);
         let blob = encoded_size(&layout, optim.topk, optim.values) as u64;
         // Headroom over the exact size costs nothing and keeps the limit a bound, not a value.
@@ -226,7 +238,8 @@ impl RunConfig {
                 return Err(RunConfigError::ZeroLimit(name));
             }
         }
-        if l.inline_blob_bytes as u64 + l.max_header_bytes as u64 + 256 > l.max_message_bytes as u64 {
+        if l.inline_blob_bytes as u64 + l.max_header_bytes as u64 + 256 > l.max_message_bytes as u64
+        {
             return Err(RunConfigError::InlineTooLarge {
                 inline: l.inline_blob_bytes,
                 msg: l.max_message_bytes,
@@ -259,7 +272,10 @@ mod tests {
             "t",
             m,
             OptimConfig::default(),
-            DataSpec::Synthetic { seed: 1, vocab: 256 },
+            DataSpec::Synthetic {
+                seed: 1,
+                vocab: 256,
+            },
             t,
         )
     }
@@ -276,10 +292,16 @@ mod tests {
         assert_ne!(a.run_id(), c.run_id());
         assert_eq!(a.run_id(), a.clone().run_id());
         c.timing.summary_ms = 950;
-        assert!(matches!(c.validate(), Err(RunConfigError::TimingOverlap { .. })));
+        assert!(matches!(
+            c.validate(),
+            Err(RunConfigError::TimingOverlap { .. })
+        ));
         let mut d = a.clone();
         d.limits.max_blob_bytes = 10;
-        assert!(matches!(d.validate(), Err(RunConfigError::BlobTooSmall { .. })));
+        assert!(matches!(
+            d.validate(),
+            Err(RunConfigError::BlobTooSmall { .. })
+        ));
         assert!(a.topic().starts_with("swarm/") && a.topic().ends_with("/v1"));
     }
 

@@ -51,12 +51,22 @@ impl TensorLayout {
         let (rows, cols) = match shape.len() {
             0 => (1, 1),
             1 => (1, shape[0] as usize),
-            _ => (shape[0] as usize, shape[1..].iter().map(|&x| x as usize).product()),
+            _ => (
+                shape[0] as usize,
+                shape[1..].iter().map(|&x| x as usize).product(),
+            ),
         };
         // A 1-D tensor is chunked along its only axis: its "row" axis has length 1.
         let h = chunk_len(rows, s);
         let w = chunk_len(cols, s);
-        TensorLayout { name: name.to_string(), shape: shape.to_vec(), rows, cols, h, w }
+        TensorLayout {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            rows,
+            cols,
+            h,
+            w,
+        }
     }
     pub fn numel(&self) -> usize {
         self.rows * self.cols
@@ -84,7 +94,10 @@ impl Layout {
     pub fn from_shapes(shapes: &[(String, Vec<u32>)], chunk: u32) -> Layout {
         Layout {
             chunk,
-            tensors: shapes.iter().map(|(n, s)| TensorLayout::new(n, s, chunk as usize)).collect(),
+            tensors: shapes
+                .iter()
+                .map(|(n, s)| TensorLayout::new(n, s, chunk as usize))
+                .collect(),
         }
     }
     pub fn for_model(m: &ModelConfig, chunk: u32) -> Layout {
@@ -131,19 +144,41 @@ pub enum SparseError {
     #[error("update has {got} tensors, the model has {want}")]
     TensorCount { got: usize, want: usize },
     #[error("tensor {tensor}: shape {got:?}, expected {want:?}")]
-    ShapeMismatch { tensor: usize, got: Vec<u32>, want: Vec<u32> },
+    ShapeMismatch {
+        tensor: usize,
+        got: Vec<u32>,
+        want: Vec<u32>,
+    },
     #[error("tensor {tensor}: chunk {got:?}, expected {want:?}")]
-    ChunkMismatch { tensor: usize, got: [u32; 2], want: [u32; 2] },
+    ChunkMismatch {
+        tensor: usize,
+        got: [u32; 2],
+        want: [u32; 2],
+    },
     #[error("tensor {tensor}: k = {got}, expected {want}")]
     TopKMismatch { tensor: usize, got: u32, want: u32 },
     #[error("codec {got:?}, the run uses {want:?}")]
     CodecMismatch { got: ValueCodec, want: ValueCodec },
     #[error("tensor {tensor}: {what} is {got} bytes, expected {want}")]
-    LengthMismatch { tensor: usize, what: &'static str, got: usize, want: usize },
+    LengthMismatch {
+        tensor: usize,
+        what: &'static str,
+        got: usize,
+        want: usize,
+    },
     #[error("tensor {tensor}, block {block}: index {index} out of range (block has {elems})")]
-    IndexOutOfRange { tensor: usize, block: usize, index: u32, elems: usize },
+    IndexOutOfRange {
+        tensor: usize,
+        block: usize,
+        index: u32,
+        elems: usize,
+    },
     #[error("tensor {tensor}, block {block}: index {index} repeated or out of order")]
-    DuplicateIndex { tensor: usize, block: usize, index: u32 },
+    DuplicateIndex {
+        tensor: usize,
+        block: usize,
+        index: u32,
+    },
     #[error("tensor {tensor}: value {position} is not finite")]
     NonFinite { tensor: usize, position: usize },
     #[error("tensor {tensor}: padding bits are not zero")]
@@ -189,8 +224,19 @@ struct BitReader<'a> {
 
 impl<'a> BitReader<'a> {
     fn new(bytes: &'a [u8], bits: u32) -> Self {
-        let mask = if bits >= 32 { u32::MAX as u64 } else { (1u64 << bits) - 1 };
-        BitReader { bytes, pos: 0, acc: 0, nacc: 0, bits, mask }
+        let mask = if bits >= 32 {
+            u32::MAX as u64
+        } else {
+            (1u64 << bits) - 1
+        };
+        BitReader {
+            bytes,
+            pos: 0,
+            acc: 0,
+            nacc: 0,
+            bits,
+            mask,
+        }
     }
     #[inline]
     fn next_value(&mut self) -> u32 {
@@ -219,7 +265,11 @@ pub fn unpack_bits(bytes: &[u8], bits: u32, count: usize) -> Vec<u32> {
         out.resize(count, 0);
         return out;
     }
-    let mask: u64 = if bits == 32 { u32::MAX as u64 } else { (1u64 << bits) - 1 };
+    let mask: u64 = if bits == 32 {
+        u32::MAX as u64
+    } else {
+        (1u64 << bits) - 1
+    };
     let mut acc: u64 = 0;
     let mut nacc = 0u32;
     let mut it = bytes.iter();
@@ -276,7 +326,13 @@ pub fn unpack_values(codec: ValueCodec, bytes: &[u8], n: usize) -> Vec<f32> {
 impl TensorUpdate {
     /// Build from per-block indices (any order within a block) and their values; sorts each
     /// block's entries by index so the encoding is canonical.
-    pub fn from_entries(t: &TensorLayout, k: usize, codec: ValueCodec, idx: &[u32], vals: &[f32]) -> TensorUpdate {
+    pub fn from_entries(
+        t: &TensorLayout,
+        k: usize,
+        codec: ValueCodec,
+        idx: &[u32],
+        vals: &[f32],
+    ) -> TensorUpdate {
         assert_eq!(idx.len(), t.blocks() * k);
         assert_eq!(vals.len(), idx.len());
         let mut si = Vec::with_capacity(idx.len());
@@ -316,7 +372,10 @@ fn view(shape: &[u32]) -> (usize, usize) {
     match shape.len() {
         0 => (1, 1),
         1 => (1, shape[0] as usize),
-        _ => (shape[0] as usize, shape[1..].iter().map(|&x| x as usize).product()),
+        _ => (
+            shape[0] as usize,
+            shape[1..].iter().map(|&x| x as usize).product(),
+        ),
     }
 }
 
@@ -330,7 +389,10 @@ impl SparseUpdate {
     /// needs [`SparseUpdate::validate`] against the run's layout.
     pub fn decode(bytes: &[u8], max_len: usize) -> Result<SparseUpdate, SparseError> {
         if bytes.len() > max_len {
-            return Err(SparseError::Oversize { len: bytes.len(), max: max_len });
+            return Err(SparseError::Oversize {
+                len: bytes.len(),
+                max: max_len,
+            });
         }
         let u: SparseUpdate =
             serde_cbor::from_slice(bytes).map_err(|e| SparseError::Malformed(e.to_string()))?;
@@ -346,34 +408,64 @@ impl SparseUpdate {
     /// bits zero.
     pub fn validate(&self, layout: &Layout, k: u32, codec: ValueCodec) -> Result<(), SparseError> {
         if self.codec != codec {
-            return Err(SparseError::CodecMismatch { got: self.codec, want: codec });
+            return Err(SparseError::CodecMismatch {
+                got: self.codec,
+                want: codec,
+            });
         }
         if self.tensors.len() != layout.tensors.len() {
-            return Err(SparseError::TensorCount { got: self.tensors.len(), want: layout.tensors.len() });
+            return Err(SparseError::TensorCount {
+                got: self.tensors.len(),
+                want: layout.tensors.len(),
+            });
         }
         for (ti, (u, t)) in self.tensors.iter().zip(&layout.tensors).enumerate() {
             if u.shape != t.shape {
-                return Err(SparseError::ShapeMismatch { tensor: ti, got: u.shape.clone(), want: t.shape.clone() });
+                return Err(SparseError::ShapeMismatch {
+                    tensor: ti,
+                    got: u.shape.clone(),
+                    want: t.shape.clone(),
+                });
             }
             let want_chunk = [t.h as u32, t.w as u32];
             if u.chunk != want_chunk {
-                return Err(SparseError::ChunkMismatch { tensor: ti, got: u.chunk, want: want_chunk });
+                return Err(SparseError::ChunkMismatch {
+                    tensor: ti,
+                    got: u.chunk,
+                    want: want_chunk,
+                });
             }
             let ke = t.k_eff(k);
             if u.k as usize != ke {
-                return Err(SparseError::TopKMismatch { tensor: ti, got: u.k, want: ke as u32 });
+                return Err(SparseError::TopKMismatch {
+                    tensor: ti,
+                    got: u.k,
+                    want: ke as u32,
+                });
             }
             let n = t.blocks() * ke;
             let bits = index_bits(t.block_elems());
             let want_idx = (n * bits as usize).div_ceil(8);
             if u.indices.len() != want_idx {
-                return Err(SparseError::LengthMismatch { tensor: ti, what: "indices", got: u.indices.len(), want: want_idx });
+                return Err(SparseError::LengthMismatch {
+                    tensor: ti,
+                    what: "indices",
+                    got: u.indices.len(),
+                    want: want_idx,
+                });
             }
             let want_val = values_len(codec, n);
             if u.values.len() != want_val {
-                return Err(SparseError::LengthMismatch { tensor: ti, what: "values", got: u.values.len(), want: want_val });
+                return Err(SparseError::LengthMismatch {
+                    tensor: ti,
+                    what: "values",
+                    got: u.values.len(),
+                    want: want_val,
+                });
             }
-            if !padding_zero(&u.indices, n * bits as usize) || !padding_zero(&u.values, n * codec.bits() as usize) {
+            if !padding_zero(&u.indices, n * bits as usize)
+                || !padding_zero(&u.values, n * codec.bits() as usize)
+            {
                 return Err(SparseError::NonZeroPadding { tensor: ti });
             }
             // Stream the indices (no allocation): this check runs on every received blob.
@@ -384,10 +476,19 @@ impl SparseUpdate {
                 for _ in 0..ke {
                     let i = it.next_value();
                     if i as usize >= elems {
-                        return Err(SparseError::IndexOutOfRange { tensor: ti, block: b, index: i, elems });
+                        return Err(SparseError::IndexOutOfRange {
+                            tensor: ti,
+                            block: b,
+                            index: i,
+                            elems,
+                        });
                     }
                     if prev.is_some_and(|p| i <= p) {
-                        return Err(SparseError::DuplicateIndex { tensor: ti, block: b, index: i });
+                        return Err(SparseError::DuplicateIndex {
+                            tensor: ti,
+                            block: b,
+                            index: i,
+                        });
                     }
                     prev = Some(i);
                 }
@@ -395,11 +496,19 @@ impl SparseUpdate {
             // An exponent of all ones is ±inf or NaN, in f32 and bf16 alike.
             let bad = match codec {
                 ValueCodec::Sign => None,
-                ValueCodec::Bf16 => u.values.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
-                ValueCodec::F32 => u.values.chunks_exact(4).position(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000),
+                ValueCodec::Bf16 => u
+                    .values
+                    .chunks_exact(2)
+                    .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
+                ValueCodec::F32 => u.values.chunks_exact(4).position(|c| {
+                    u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000
+                }),
             };
             if let Some(p) = bad {
-                return Err(SparseError::NonFinite { tensor: ti, position: p });
+                return Err(SparseError::NonFinite {
+                    tensor: ti,
+                    position: p,
+                });
             }
         }
         Ok(())
@@ -476,7 +585,11 @@ mod tests {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    if bits == 0 { 0 } else { (x as u32) & (((1u64 << bits) - 1) as u32) }
+                    if bits == 0 {
+                        0
+                    } else {
+                        (x as u32) & (((1u64 << bits) - 1) as u32)
+                    }
                 })
                 .collect();
             let p = pack_bits(&vals, bits);
@@ -490,7 +603,10 @@ mod tests {
         let v = [0.3f32, -2.0, 0.0, -0.001, 7.0];
         let p = pack_values(ValueCodec::Sign, &v);
         assert_eq!(p.len(), 1);
-        assert_eq!(unpack_values(ValueCodec::Sign, &p, 5), vec![1.0, -1.0, 1.0, -1.0, 1.0]);
+        assert_eq!(
+            unpack_values(ValueCodec::Sign, &p, 5),
+            vec![1.0, -1.0, 1.0, -1.0, 1.0]
+        );
     }
 
     fn layout() -> Layout {
@@ -503,12 +619,19 @@ mod tests {
             .iter()
             .map(|t| {
                 let k = t.k_eff(4);
-                let idx: Vec<u32> = (0..t.blocks()).flat_map(|b| (0..k as u32).map(move |i| (i * 7 + b as u32) % t.block_elems() as u32)).collect();
+                let idx: Vec<u32> = (0..t.blocks())
+                    .flat_map(|b| {
+                        (0..k as u32).map(move |i| (i * 7 + b as u32) % t.block_elems() as u32)
+                    })
+                    .collect();
                 let vals: Vec<f32> = (0..idx.len()).map(|i| i as f32 - 3.5).collect();
                 TensorUpdate::from_entries(t, k, ValueCodec::F32, &idx, &vals)
             })
             .collect();
-        SparseUpdate { codec: ValueCodec::F32, tensors }
+        SparseUpdate {
+            codec: ValueCodec::F32,
+            tensors,
+        }
     }
 
     #[test]
@@ -518,12 +641,21 @@ mod tests {
         u.validate(&l, 4, ValueCodec::F32).unwrap();
         let bytes = u.encode();
         assert_eq!(SparseUpdate::decode(&bytes, 1 << 20).unwrap(), u);
-        assert!(matches!(SparseUpdate::decode(&bytes, 10), Err(SparseError::Oversize { .. })));
-        assert!(matches!(SparseUpdate::decode(&bytes[..bytes.len() - 3], 1 << 20), Err(SparseError::Malformed(_))));
+        assert!(matches!(
+            SparseUpdate::decode(&bytes, 10),
+            Err(SparseError::Oversize { .. })
+        ));
+        assert!(matches!(
+            SparseUpdate::decode(&bytes[..bytes.len() - 3], 1 << 20),
+            Err(SparseError::Malformed(_))
+        ));
 
         let mut bad = u.clone();
         bad.tensors[0].shape = vec![64, 128];
-        assert!(matches!(bad.validate(&l, 4, ValueCodec::F32), Err(SparseError::ShapeMismatch { .. })));
+        assert!(matches!(
+            bad.validate(&l, 4, ValueCodec::F32),
+            Err(SparseError::ShapeMismatch { .. })
+        ));
 
         // Block 0 of tensor 0 holds indices sorted ascending; swap two to make them repeat.
         let mut bad = u.clone();
@@ -531,23 +663,41 @@ mod tests {
         let (mut idx, _) = bad.tensors[0].entries(ValueCodec::F32);
         idx[1] = idx[0];
         bad.tensors[0].indices = pack_bits(&idx, index_bits(t.block_elems()));
-        assert!(matches!(bad.validate(&l, 4, ValueCodec::F32), Err(SparseError::DuplicateIndex { .. })));
+        assert!(matches!(
+            bad.validate(&l, 4, ValueCodec::F32),
+            Err(SparseError::DuplicateIndex { .. })
+        ));
 
         let mut bad = u.clone();
         let (_, mut v) = bad.tensors[1].entries(ValueCodec::F32);
         v[2] = f32::NAN;
         bad.tensors[1].values = pack_values(ValueCodec::F32, &v);
-        assert!(matches!(bad.validate(&l, 4, ValueCodec::F32), Err(SparseError::NonFinite { tensor: 1, position: 2 })));
+        assert!(matches!(
+            bad.validate(&l, 4, ValueCodec::F32),
+            Err(SparseError::NonFinite {
+                tensor: 1,
+                position: 2
+            })
+        ));
 
         // Tensor b is [1, 100]: one block of 50 (largest divisor of 100 ≤ 64), 6-bit indices.
         let mut bad = u.clone();
         let (mut idx, _) = bad.tensors[1].entries(ValueCodec::F32);
         idx[3] = 63;
         bad.tensors[1].indices = pack_bits(&idx, 6);
-        assert!(matches!(bad.validate(&l, 4, ValueCodec::F32), Err(SparseError::IndexOutOfRange { .. })));
+        assert!(matches!(
+            bad.validate(&l, 4, ValueCodec::F32),
+            Err(SparseError::IndexOutOfRange { .. })
+        ));
 
-        assert!(matches!(u.validate(&l, 8, ValueCodec::F32), Err(SparseError::TopKMismatch { .. })));
-        assert!(matches!(u.validate(&l, 4, ValueCodec::Sign), Err(SparseError::CodecMismatch { .. })));
+        assert!(matches!(
+            u.validate(&l, 8, ValueCodec::F32),
+            Err(SparseError::TopKMismatch { .. })
+        ));
+        assert!(matches!(
+            u.validate(&l, 4, ValueCodec::Sign),
+            Err(SparseError::CodecMismatch { .. })
+        ));
     }
 
     #[test]

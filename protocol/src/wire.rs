@@ -153,7 +153,11 @@ pub struct Signed<T> {
 impl<T: SignedBody> Signed<T> {
     /// Encode and sign `body` with `id` (which must be the body's signer).
     pub fn sign(body: T, id: &Identity) -> Signed<T> {
-        debug_assert_eq!(body.signer(), id.node_id(), "signing a body that names another signer");
+        debug_assert_eq!(
+            body.signer(),
+            id.node_id(),
+            "signing a body that names another signer"
+        );
         let bytes = to_cbor(&body);
         let sig = id.sign(T::DOMAIN, &bytes);
         Signed {
@@ -275,7 +279,11 @@ pub fn to_cbor<T: Serialize>(v: &T) -> Vec<u8> {
 }
 
 /// Decode one CBOR item of untrusted bytes: size, structure, serde, canonical form.
-pub fn decode_cbor<T: Serialize + DeserializeOwned>(b: &[u8], max: usize, what: &'static str) -> Result<T, WireError> {
+pub fn decode_cbor<T: Serialize + DeserializeOwned>(
+    b: &[u8],
+    max: usize,
+    what: &'static str,
+) -> Result<T, WireError> {
     if b.len() > max {
         return Err(WireError::Oversize {
             what,
@@ -347,7 +355,8 @@ impl Message {
     /// The largest frame of `kind` that `limits` allow.
     pub fn max_frame(kind: u8, l: &Limits) -> usize {
         match kind {
-            kind::UPDATE => (l.max_blob_bytes as usize).saturating_add(l.max_header_bytes as usize + FRAME_SLACK),
+            kind::UPDATE => (l.max_blob_bytes as usize)
+                .saturating_add(l.max_header_bytes as usize + FRAME_SLACK),
             kind::MANIFEST => (l.max_manifest_bytes as usize).saturating_add(FRAME_SLACK),
             kind::CHUNK => (l.max_checkpoint_chunk_bytes as usize).saturating_add(FRAME_SLACK),
             _ => l.max_message_bytes as usize,
@@ -381,7 +390,11 @@ impl Message {
         let msg = match k {
             kind::HELLO => {
                 let h: Hello = decode_cbor(body, max, "hello")?;
-                bound("listen addresses", h.listen.len(), l.max_listen_addrs as usize)?;
+                bound(
+                    "listen addresses",
+                    h.listen.len(),
+                    l.max_listen_addrs as usize,
+                )?;
                 if let Some(a) = h.listen.iter().find(|a| a.len() > l.max_addr_len as usize) {
                     return Err(WireError::Oversize {
                         what: "listen address",
@@ -404,7 +417,11 @@ impl Message {
             kind::SUMMARY => {
                 let raw: SignedBytes = decode_cbor(body, max, "summary")?;
                 let s: Signed<StepSummary> = Signed::from_raw(raw, max)?;
-                bound("summary updates", s.body.updates.len(), l.max_updates_per_step as usize)?;
+                bound(
+                    "summary updates",
+                    s.body.updates.len(),
+                    l.max_updates_per_step as usize,
+                )?;
                 ascending("summary updates", &s.body.updates)?;
                 Message::Summary(s)
             }
@@ -431,7 +448,11 @@ impl Message {
             }
             kind::CHUNK => {
                 let c: CheckpointChunk = decode_cbor(body, max, "checkpoint chunk")?;
-                bound_bytes("checkpoint chunk", c.data.len(), l.max_checkpoint_chunk_bytes as usize)?;
+                bound_bytes(
+                    "checkpoint chunk",
+                    c.data.len(),
+                    l.max_checkpoint_chunk_bytes as usize,
+                )?;
                 Message::Chunk(c)
             }
             _ => unreachable!("kind range checked above"),
@@ -493,7 +514,8 @@ impl UpdateRules {
         if h.run != self.run {
             return Err(WireError::WrongRun);
         }
-        let mismatch = |field, got: u64, want: u64| Err(WireError::HeaderMismatch { field, got, want });
+        let mismatch =
+            |field, got: u64, want: u64| Err(WireError::HeaderMismatch { field, got, want });
         if h.codec != self.codec {
             return mismatch("codec", h.codec as u64, self.codec as u64);
         }
@@ -524,7 +546,10 @@ impl UpdateRules {
         }
         let id = ContentId::of(blob);
         if id != h.blob {
-            return Err(WireError::BlobIdMismatch { got: id, want: h.blob });
+            return Err(WireError::BlobIdMismatch {
+                got: id,
+                want: h.blob,
+            });
         }
         precheck(blob).map_err(|e| WireError::Malformed {
             what: "blob",
@@ -568,7 +593,10 @@ mod tests {
         // An unknown extra field.
         let mut v = serde_cbor::value::to_value(hello()).unwrap();
         if let serde_cbor::Value::Map(m) = &mut v {
-            m.insert(serde_cbor::Value::Text("zzz".into()), serde_cbor::Value::Integer(1));
+            m.insert(
+                serde_cbor::Value::Text("zzz".into()),
+                serde_cbor::Value::Integer(1),
+            );
         }
         let extra = serde_cbor::to_vec(&v).unwrap();
         assert!(Message::decode(&frame(kind::HELLO, extra), &limits()).is_err());
@@ -581,8 +609,14 @@ mod tests {
     fn framing_errors_are_typed() {
         let l = limits();
         assert_eq!(Message::decode(&[1], &l), Err(WireError::Truncated));
-        assert_eq!(Message::decode(&[2, 1, 0], &l), Err(WireError::UnknownVersion(2)));
-        assert_eq!(Message::decode(&[1, 99, 0], &l), Err(WireError::UnknownKind(99)));
+        assert_eq!(
+            Message::decode(&[2, 1, 0], &l),
+            Err(WireError::UnknownVersion(2))
+        );
+        assert_eq!(
+            Message::decode(&[1, 99, 0], &l),
+            Err(WireError::UnknownKind(99))
+        );
         let big = vec![0u8; l.max_message_bytes as usize + 1];
         let mut f = vec![1, kind::SUMMARY];
         f.extend_from_slice(&big);

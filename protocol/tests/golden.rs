@@ -12,7 +12,9 @@ use std::path::PathBuf;
 use common::*;
 use crypto::{to_hex, ContentId, Digest, Identity};
 use protocol::checkpoint::{CheckpointChunk, CheckpointManifest, Dtype};
-use protocol::wire::{caps, domain, EquivocationProof, Hello, Message, Signed, StepSummary, PROTOCOL_VERSION};
+use protocol::wire::{
+    caps, domain, EquivocationProof, Hello, Message, Signed, StepSummary, PROTOCOL_VERSION,
+};
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
@@ -63,7 +65,10 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
     vec![
         ("run_config.cbor", run.canonical_bytes()),
         ("run_id", rid.0.to_vec()),
-        ("signing_preimage", domain::UPDATE_HEADER.preimage(&header.raw.body)),
+        (
+            "signing_preimage",
+            domain::UPDATE_HEADER.preimage(&header.raw.body),
+        ),
         ("hello", hello.encode()),
         (
             "announce",
@@ -87,7 +92,10 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
             Message::Equivocation(EquivocationProof::new(header.clone(), other)).encode(),
         ),
         ("update", Message::Update { header, blob }.encode()),
-        ("manifest", Message::Manifest(Signed::sign(manifest, &b)).encode()),
+        (
+            "manifest",
+            Message::Manifest(Signed::sign(manifest, &b)).encode(),
+        ),
         (
             "chunk",
             Message::Chunk(CheckpointChunk {
@@ -103,7 +111,8 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
 
 fn read_hex(name: &str) -> Vec<u8> {
     let p = dir().join(format!("{name}.hex"));
-    let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e} (bless with SWARM_BLESS=1)", p.display()));
+    let s = std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("{}: {e} (bless with SWARM_BLESS=1)", p.display()));
     crypto::from_hex(&s.split_whitespace().collect::<String>()).unwrap()
 }
 
@@ -136,7 +145,9 @@ fn golden_frames_decode_and_reencode() {
         assert_eq!(m.encode(), bytes, "{name}");
         // Signatures in the vectors verify.
         match &m {
-            Message::Announce { header, .. } | Message::Update { header, .. } => header.verify().unwrap(),
+            Message::Announce { header, .. } | Message::Update { header, .. } => {
+                header.verify().unwrap()
+            }
             Message::Summary(s) => s.verify().unwrap(),
             Message::Manifest(s) => s.verify().unwrap(),
             Message::Equivocation(p) => {
@@ -146,12 +157,20 @@ fn golden_frames_decode_and_reencode() {
         }
     }
     let rid = read_hex("run_id");
-    assert_eq!(rid, blake3::hash(&read_hex("run_config.cbor")).as_bytes().to_vec());
+    assert_eq!(
+        rid,
+        blake3::hash(&read_hex("run_config.cbor"))
+            .as_bytes()
+            .to_vec()
+    );
 }
 
 #[test]
 fn protocol_md_quotes_the_golden_vectors() {
-    let doc = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/PROTOCOL.md")).unwrap();
+    let doc = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/PROTOCOL.md"),
+    )
+    .unwrap();
     let flat: String = doc.split_whitespace().collect();
     for name in ["hello", "summary", "chunk", "run_id"] {
         let hex = to_hex(&read_hex(name));

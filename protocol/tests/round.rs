@@ -25,7 +25,10 @@ fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
             h.keys().next_back().copied().unwrap_or(0),
             *h0.keys().next_back().unwrap(),
         );
-        assert!(last + 1 >= last0, "node {i} fell behind: step {last} vs {last0}");
+        assert!(
+            last + 1 >= last0,
+            "node {i} fell behind: step {last} vs {last0}"
+        );
     }
 }
 
@@ -49,11 +52,18 @@ fn four_nodes_fetch_validate_and_apply_identically() {
     sim.run_until(GENESIS + 8 * PERIOD);
     assert_agree(&sim, &[0, 1, 2, 3], 6);
     for (step, (ids, _)) in sim.history(0) {
-        assert_eq!(ids.len(), 4, "step {step} should include every node's update");
+        assert_eq!(
+            ids.len(),
+            4,
+            "step {step} should include every node's update"
+        );
     }
     for i in 0..4 {
         let m = sim.nodes[i].engine.metrics();
-        assert!(m.fetches >= 3 * 6, "blobs are fetched when not inline: {m:?}");
+        assert!(
+            m.fetches >= 3 * 6,
+            "blobs are fetched when not inline: {m:?}"
+        );
         assert_eq!(m.rejected, 0, "{m:?}");
         assert!(!sim.actions(i).any(|a| matches!(a, Action::Penalize { .. })));
     }
@@ -73,7 +83,10 @@ fn same_events_same_actions_byte_for_byte() {
     let run = |_: ()| {
         let mut sim = Sim::new(test_run(false), 4);
         sim.run_until(GENESIS + 5 * PERIOD);
-        sim.nodes.iter().map(|n| format!("{:?}", n.log)).collect::<Vec<_>>()
+        sim.nodes
+            .iter()
+            .map(|n| format!("{:?}", n.log))
+            .collect::<Vec<_>>()
     };
     let a = run(());
     let b = run(());
@@ -135,19 +148,30 @@ fn malformed_bad_signature_and_invalid_content_are_penalized() {
     // 5. another run: ignored, not penalized
     let mut other = run.clone();
     other.seed = 1234;
-    sim.inject(t + 4, 2, crypto::NodeId([9; 32]), announce(&other, &m, 1, &blob));
+    sim.inject(
+        t + 4,
+        2,
+        crypto::NodeId([9; 32]),
+        announce(&other, &m, 1, &blob),
+    );
     sim.run_until(GENESIS + 5 * PERIOD);
 
     assert!(rejected_with(&sim, 0, |e| matches!(
         e,
         WireError::Malformed { .. } | WireError::UnknownKind(_)
     )));
-    assert!(rejected_with(&sim, 0, |e| matches!(e, WireError::BadSignature { .. })));
+    assert!(rejected_with(&sim, 0, |e| matches!(
+        e,
+        WireError::BadSignature { .. }
+    )));
     assert!(rejected_with(&sim, 1, |e| matches!(
         e,
         WireError::Sparse(SparseError::DuplicateIndex { .. })
     )));
-    assert!(rejected_with(&sim, 2, |e| matches!(e, WireError::Oversize { .. })));
+    assert!(rejected_with(&sim, 2, |e| matches!(
+        e,
+        WireError::Oversize { .. }
+    )));
     assert!(sim.actions(2).any(|a| matches!(
         a,
         Action::Report(Report::Ignored {
@@ -178,7 +202,9 @@ fn replayed_message_outside_window_is_refused() {
         .log
         .iter()
         .find_map(|(_, a)| match a {
-            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::ANNOUNCE => Some(bytes.clone()),
+            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::ANNOUNCE => {
+                Some(bytes.clone())
+            }
             _ => None,
         })
         .expect("node 1 announced its step-0 update");
@@ -210,7 +236,12 @@ fn late_arrival_is_counted_not_applied() {
     let m = Identity::from_seed([201; 32]);
     let blob = make_update(&run, 77).encode();
     // Step 2's deadline is GENESIS + 3·PERIOD + grace; arrive after it.
-    sim.inject(GENESIS + 3 * PERIOD + 150, 0, m.node_id(), announce(&run, &m, 2, &blob));
+    sim.inject(
+        GENESIS + 3 * PERIOD + 150,
+        0,
+        m.node_id(),
+        announce(&run, &m, 2, &blob),
+    );
     sim.run_until(GENESIS + 6 * PERIOD);
     assert!(sim.nodes[0].engine.metrics().late >= 1);
     assert!(sim.actions(0).any(|a| matches!(
@@ -230,7 +261,10 @@ fn equivocation_is_proven_banned_and_excluded_everywhere() {
     let run = test_run(true);
     let mut sim = Sim::new(run.clone(), 4);
     let m = Identity::from_seed([202; 32]);
-    let (a, b) = (make_update(&run, 1001).encode(), make_update(&run, 1002).encode());
+    let (a, b) = (
+        make_update(&run, 1001).encode(),
+        make_update(&run, 1002).encode(),
+    );
     let t = GENESIS + 2 * PERIOD + 500;
     sim.inject(t, 0, m.node_id(), announce(&run, &m, 2, &a));
     sim.inject(t, 1, m.node_id(), announce(&run, &m, 2, &a));
@@ -239,7 +273,10 @@ fn equivocation_is_proven_banned_and_excluded_everywhere() {
     sim.run_until(GENESIS + 7 * PERIOD);
     let (ia, ib) = (ContentId::of(&a), ContentId::of(&b));
     for i in 0..4 {
-        assert!(banned(&sim, i, &m.node_id()), "node {i} did not ban the equivocator");
+        assert!(
+            banned(&sim, i, &m.node_id()),
+            "node {i} did not ban the equivocator"
+        );
         assert!(penalized(&sim, i, &m.node_id())
             .iter()
             .any(|e| matches!(e, WireError::Equivocation { step: 2, .. })));
@@ -255,7 +292,9 @@ fn equivocation_is_proven_banned_and_excluded_everywhere() {
         .actions(0)
         .chain(sim.actions(2))
         .find_map(|a| match a {
-            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::EQUIVOCATION => Some(bytes.clone()),
+            Action::Publish { bytes } if bytes[1] == protocol::wire::kind::EQUIVOCATION => {
+                Some(bytes.clone())
+            }
             _ => None,
         })
         .expect("a proof was published");
@@ -271,7 +310,9 @@ fn missed_announcements_are_repaired_from_summaries() {
     let mut sim = Sim::new(test_run(false), 4);
     // Node 3 never hears node 1's announcements.
     sim.drop = Box::new(|_, from, to, ev| {
-        from == 1 && to == 3 && matches!(ev, Event::Message { bytes, .. } if bytes[1] == protocol::wire::kind::ANNOUNCE)
+        from == 1
+            && to == 3
+            && matches!(ev, Event::Message { bytes, .. } if bytes[1] == protocol::wire::kind::ANNOUNCE)
     });
     sim.run_until(GENESIS + 7 * PERIOD);
     assert_agree(&sim, &[0, 1, 2, 3], 5);
@@ -309,7 +350,9 @@ fn a_joiner_takes_a_checkpoint_and_catches_up() {
     let j = sim.add_node(9, None);
     sim.run_until(GENESIS + 11 * PERIOD);
     assert!(sim.nodes[j].engine.status().synced);
-    assert!(sim.actions(j).any(|a| matches!(a, Action::RequestCheckpoint { .. })));
+    assert!(sim
+        .actions(j)
+        .any(|a| matches!(a, Action::RequestCheckpoint { .. })));
     assert!(
         sim.history(j).len() >= 4,
         "joiner applied {:?}",
@@ -356,7 +399,15 @@ fn early_arrivals_are_buffered_within_their_bound() {
     sim.run_until(GENESIS + 6 * PERIOD);
     let full = sim
         .actions(0)
-        .filter(|a| matches!(a, Action::Report(Report::Ignored { error: WireError::BufferFull("early updates"), .. })))
+        .filter(|a| {
+            matches!(
+                a,
+                Action::Report(Report::Ignored {
+                    error: WireError::BufferFull("early updates"),
+                    ..
+                })
+            )
+        })
         .count();
     assert_eq!(full, 2);
     assert_eq!(sim.nodes[0].engine.metrics().early, 3);

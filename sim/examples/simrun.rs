@@ -13,7 +13,11 @@ fn main() {
     let path = args.first().expect("usage: simrun SCENARIO.toml [OUT_DIR]");
     let out = args.get(1).map(std::path::PathBuf::from);
     let sc = sim::Scenario::load(std::path::Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
-    let points: Vec<_> = if sc.sweep.is_empty() { vec![sc.clone()] } else { sc.sweep.iter().map(|&n| sc.with_nodes(n)).collect() };
+    let points: Vec<_> = if sc.sweep.is_empty() {
+        vec![sc.clone()]
+    } else {
+        sc.sweep.iter().map(|&n| sc.with_nodes(n)).collect()
+    };
     println!("| nodes | steps | down MB/node/step | up MB/node/step | latency p50 s | p99 s | included | final loss | AdamW | wall s |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for p in &points {
@@ -35,7 +39,11 @@ fn main() {
             wall
         );
         if let Some(o) = &out {
-            let dir = if points.len() > 1 { o.join(format!("n{}", m.nodes)) } else { o.clone() };
+            let dir = if points.len() > 1 {
+                o.join(format!("n{}", m.nodes))
+            } else {
+                o.clone()
+            };
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("metrics.json"), m.to_json()).unwrap();
             sim::plot::all(&m, &dir).unwrap();

@@ -34,10 +34,28 @@ const NONE: Micros = Micros::MAX;
 
 enum Fe {
     Start(u64),
-    Ready { t: u64, b: usize },
-    Header { t: u64, b: usize, node: usize, from: usize },
-    Req { t: u64, b: usize, server: usize, client: usize, tries: u8 },
-    Blob { t: u64, b: usize, node: usize },
+    Ready {
+        t: u64,
+        b: usize,
+    },
+    Header {
+        t: u64,
+        b: usize,
+        node: usize,
+        from: usize,
+    },
+    Req {
+        t: u64,
+        b: usize,
+        server: usize,
+        client: usize,
+        tries: u8,
+    },
+    Blob {
+        t: u64,
+        b: usize,
+        node: usize,
+    },
     Finalize(u64),
     Mark(u64),
     Fault(usize),
@@ -67,12 +85,25 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
     let optim = sc.optim.config(sc.steps);
     let layout = Layout::for_model(&model, optim.chunk);
     let actual = encoded_size(&layout, optim.topk, optim.values) as u64;
-    let blob_bytes = if sc.model.wire_blob_bytes > 0 { sc.model.wire_blob_bytes } else { actual };
+    let blob_bytes = if sc.model.wire_blob_bytes > 0 {
+        sc.model.wire_blob_bytes
+    } else {
+        actual
+    };
     let mut trainer = Synthetic::new(layout, optim, sc.optim.noise, sc.seed);
     let classes = sc.node_classes();
     let n = classes.len();
-    let compute: Vec<u64> = classes.iter().map(|&c| sc.classes[c].compute_ms * 1000).collect();
-    let mut net = Network::new(classes.iter().map(|&c| sc.classes[c].link.clone()).collect(), sc.seed);
+    let compute: Vec<u64> = classes
+        .iter()
+        .map(|&c| sc.classes[c].compute_ms * 1000)
+        .collect();
+    let mut net = Network::new(
+        classes
+            .iter()
+            .map(|&c| sc.classes[c].link.clone())
+            .collect(),
+        sc.seed,
+    );
     let timing = StepTiming {
         genesis_ms: 10_000,
         period_ms: sc.timing.period_ms,
@@ -110,10 +141,12 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
     }
     for (fi, f) in sc.faults.iter().enumerate() {
         let at = match f {
-            Fault::Crash { at_step, offset_ms, .. } => timing.step_start(*at_step) + offset_ms,
-            Fault::Partition { at_step, .. } | Fault::Degrade { at_step, .. } | Fault::Join { at_step, .. } => {
-                timing.step_start(*at_step)
-            }
+            Fault::Crash {
+                at_step, offset_ms, ..
+            } => timing.step_start(*at_step) + offset_ms,
+            Fault::Partition { at_step, .. }
+            | Fault::Degrade { at_step, .. }
+            | Fault::Join { at_step, .. } => timing.step_start(*at_step),
         };
         q.push(us(at), Fe::Fault(fi));
     }
@@ -138,7 +171,9 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 progress(s, sc.steps);
             }
             Fe::Fault(fi) => match &sc.faults[fi] {
-                Fault::Crash { node, recover_step, .. } if *node < n => {
+                Fault::Crash {
+                    node, recover_step, ..
+                } if *node < n => {
                     alive[*node] = false;
                     reputation[*node] = 0;
                     net.set_down(*node, true, now);
@@ -149,7 +184,9 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                         q.push(us(timing.step_start(*r)), Fe::Recover(*node));
                     }
                 }
-                Fault::Partition { heal_step, lo, hi, .. } => net.partitions.push(Partition {
+                Fault::Partition {
+                    heal_step, lo, hi, ..
+                } => net.partitions.push(Partition {
                     from: now,
                     until: us(timing.step_start(*heal_step)),
                     lo: *lo,
@@ -172,7 +209,11 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 let members: Vec<usize> = match &sc.flow.policy {
                     Policy::All => live.clone(),
                     Policy::Committee { m, min_reputation } => {
-                        let mut c: Vec<usize> = live.iter().copied().filter(|&i| reputation[i] >= *min_reputation).collect();
+                        let mut c: Vec<usize> = live
+                            .iter()
+                            .copied()
+                            .filter(|&i| reputation[i] >= *min_reputation)
+                            .collect();
                         if c.len() < *m {
                             // Too few reputable nodes (the run's first steps): everyone is eligible.
                             c = live.clone();
@@ -195,7 +236,16 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                     }
                 }
                 let c = members.len();
-                steps.insert(t, StepState { members, updates, arrival: vec![NONE; n * c], asked: vec![false; n * c], headers: 0 });
+                steps.insert(
+                    t,
+                    StepState {
+                        members,
+                        updates,
+                        arrival: vec![NONE; n * c],
+                        asked: vec![false; n * c],
+                        headers: 0,
+                    },
+                );
             }
             Fe::Ready { t, b } => {
                 let st = steps.get_mut(&t).expect("live step");
@@ -205,7 +255,9 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 }
             }
             Fe::Blob { t, b, node } => {
-                let Some(st) = steps.get_mut(&t) else { continue };
+                let Some(st) = steps.get_mut(&t) else {
+                    continue;
+                };
                 let c = st.members.len();
                 if !alive[node] || st.arrival[node * c + b] != NONE {
                     continue;
@@ -215,12 +267,22 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 // Verified: announce to the mesh.
                 for &p in &mesh[node] {
                     if let Ok(at) = net.send(node, p, sc.flow.header_bytes, now) {
-                        q.push(at, Fe::Header { t, b, node: p, from: node });
+                        q.push(
+                            at,
+                            Fe::Header {
+                                t,
+                                b,
+                                node: p,
+                                from: node,
+                            },
+                        );
                     }
                 }
             }
             Fe::Header { t, b, node, from } => {
-                let Some(st) = steps.get_mut(&t) else { continue };
+                let Some(st) = steps.get_mut(&t) else {
+                    continue;
+                };
                 let c = st.members.len();
                 st.headers += 1;
                 if !alive[node] || st.asked[node * c + b] {
@@ -228,18 +290,51 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 }
                 st.asked[node * c + b] = true;
                 if let Ok(at) = net.send(node, from, sc.gossip.request_bytes, now) {
-                    q.push(at, Fe::Req { t, b, server: from, client: node, tries: 0 });
+                    q.push(
+                        at,
+                        Fe::Req {
+                            t,
+                            b,
+                            server: from,
+                            client: node,
+                            tries: 0,
+                        },
+                    );
                 } else {
-                    q.push(now + timeout, Fe::Req { t, b, server: from, client: node, tries: 1 });
+                    q.push(
+                        now + timeout,
+                        Fe::Req {
+                            t,
+                            b,
+                            server: from,
+                            client: node,
+                            tries: 1,
+                        },
+                    );
                 }
             }
-            Fe::Req { t, b, server, client, tries } => {
+            Fe::Req {
+                t,
+                b,
+                server,
+                client,
+                tries,
+            } => {
                 if !steps.contains_key(&t) || !alive[client] {
                     continue;
                 }
                 match net.send(server, client, blob_bytes, now) {
                     Ok(at) => q.push(at, Fe::Blob { t, b, node: client }),
-                    Err(_) if tries < 3 => q.push(now + timeout, Fe::Req { t, b, server, client, tries: tries + 1 }),
+                    Err(_) if tries < 3 => q.push(
+                        now + timeout,
+                        Fe::Req {
+                            t,
+                            b,
+                            server,
+                            client,
+                            tries: tries + 1,
+                        },
+                    ),
                     Err(_) => {}
                 }
             }
@@ -249,7 +344,14 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                 let start = us(timing.step_start(t));
                 let mut sets: BTreeMap<Vec<bool>, u32> = BTreeMap::new();
                 let mut held = Vec::new();
-                let mut row = Row { applied: 0, agree: 0.0, produced: c as u32, included: Vec::new(), latency: Vec::new(), loss: 0.0 };
+                let mut row = Row {
+                    applied: 0,
+                    agree: 0.0,
+                    produced: c as u32,
+                    included: Vec::new(),
+                    latency: Vec::new(),
+                    loss: 0.0,
+                };
                 for i in 0..n {
                     if !alive[i] {
                         held.push(Vec::new());
@@ -265,10 +367,16 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                     held.push(set);
                     row.applied += 1;
                 }
-                let best = sets.iter().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0))).map(|(s, k)| (s.clone(), *k));
+                let best = sets
+                    .iter()
+                    .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
+                    .map(|(s, k)| (s.clone(), *k));
                 if let Some((set, k)) = best {
                     row.agree = k as f64 / row.applied.max(1) as f64;
-                    let ups: Vec<SparseUpdate> = (0..c).filter(|&b| set[b]).map(|b| st.updates[b].clone()).collect();
+                    let ups: Vec<SparseUpdate> = (0..c)
+                        .filter(|&b| set[b])
+                        .map(|b| st.updates[b].clone())
+                        .collect();
                     params = trainer.apply(t, &params, &ups);
                     for i in 0..n {
                         if alive[i] {
@@ -288,8 +396,14 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
                     Policy::Committee { .. } => c as u64,
                 };
                 let live = row.applied.max(1) as u64;
-                let dup = if c > 0 { st.headers as f64 / (c as f64 * live as f64) } else { 1.0 };
-                let per = ((sc.flow.summary_bytes + 33 * c as u64) as f64 * publishers as f64 * dup.max(1.0)) as u64;
+                let dup = if c > 0 {
+                    st.headers as f64 / (c as f64 * live as f64)
+                } else {
+                    1.0
+                };
+                let per = ((sc.flow.summary_bytes + 33 * c as u64) as f64
+                    * publishers as f64
+                    * dup.max(1.0)) as u64;
                 for i in 0..n {
                     if alive[i] {
                         net.up_bytes[i] += per;
@@ -306,7 +420,9 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
     let mut out = Vec::new();
     for s in 0..sc.steps {
         base.step(&trainer, s, n);
-        let Some(mut r) = rows.remove(&s) else { continue };
+        let Some(mut r) = rows.remove(&s) else {
+            continue;
+        };
         all_lat.extend(r.latency.iter().copied());
         let (mut um, mut ux, mut dm, mut dx) = (0.0, 0, 0.0, 0);
         if let Some((u, d, a)) = bytes.get(s as usize) {

@@ -21,8 +21,8 @@ pub mod queue;
 pub mod rng;
 pub mod scenario;
 pub mod synth;
-pub mod world;
 pub mod worked;
+pub mod world;
 
 use thiserror::Error;
 

@@ -88,12 +88,20 @@ pub fn histogram(v: &[f64]) -> Vec<(f64, u64)> {
     }
     let mut counts = vec![0u64; edges.len()];
     for &x in v {
-        let i = edges.iter().position(|&e| x <= e).unwrap_or(edges.len() - 1);
+        let i = edges
+            .iter()
+            .position(|&e| x <= e)
+            .unwrap_or(edges.len() - 1);
         counts[i] += 1;
     }
     let last = counts.iter().rposition(|&c| c > 0).map_or(0, |i| i + 1);
     let first = counts.iter().position(|&c| c > 0).unwrap_or(0);
-    edges.into_iter().zip(counts).take(last).skip(first).collect()
+    edges
+        .into_iter()
+        .zip(counts)
+        .take(last)
+        .skip(first)
+        .collect()
 }
 
 /// Fill the totals from the per-step rows and the raw latencies.

@@ -36,7 +36,13 @@ pub struct LinkProfile {
 impl Default for LinkProfile {
     fn default() -> Self {
         // The seed article's worked example: 100 Mbit/s down, 10 Mbit/s up.
-        LinkProfile { up_mbit: 10.0, down_mbit: 100.0, latency_ms: 20.0, jitter_ms: 5.0, loss: 0.0 }
+        LinkProfile {
+            up_mbit: 10.0,
+            down_mbit: 100.0,
+            latency_ms: 20.0,
+            jitter_ms: 5.0,
+            loss: 0.0,
+        }
     }
 }
 
@@ -61,7 +67,9 @@ pub struct Partition {
 
 impl Partition {
     fn separates(&self, a: usize, b: usize, t: Micros) -> bool {
-        t >= self.from && t < self.until && ((self.lo..self.hi).contains(&a) != (self.lo..self.hi).contains(&b))
+        t >= self.from
+            && t < self.until
+            && ((self.lo..self.hi).contains(&a) != (self.lo..self.hi).contains(&b))
     }
 }
 
@@ -144,8 +152,14 @@ impl Network {
         self.up_free[a] = up_end;
         self.up_bytes[a] += bytes;
         let jitter = la.jitter_ms + lz.jitter_ms;
-        let lat = ((la.latency_ms + lz.latency_ms + if jitter > 0.0 { self.rng.unit() * jitter } else { 0.0 }) * 1000.0)
-            as Micros;
+        let lat = ((la.latency_ms
+            + lz.latency_ms
+            + if jitter > 0.0 {
+                self.rng.unit() * jitter
+            } else {
+                0.0
+            })
+            * 1000.0) as Micros;
         let loss = 1.0 - (1.0 - la.loss) * (1.0 - lz.loss);
         if self.rng.chance(loss) {
             self.lost += 1;
@@ -176,7 +190,10 @@ impl Network {
     /// Per-node byte counters since the last call, reset.
     pub fn take_counters(&mut self) -> (Vec<u64>, Vec<u64>) {
         let n = self.links.len();
-        (std::mem::replace(&mut self.up_bytes, vec![0; n]), std::mem::replace(&mut self.down_bytes, vec![0; n]))
+        (
+            std::mem::replace(&mut self.up_bytes, vec![0; n]),
+            std::mem::replace(&mut self.down_bytes, vec![0; n]),
+        )
     }
 }
 
@@ -185,12 +202,21 @@ mod tests {
     use super::*;
 
     fn link(up: f64, down: f64) -> LinkProfile {
-        LinkProfile { up_mbit: up, down_mbit: down, latency_ms: 0.0, jitter_ms: 0.0, loss: 0.0 }
+        LinkProfile {
+            up_mbit: up,
+            down_mbit: down,
+            latency_ms: 0.0,
+            jitter_ms: 0.0,
+            loss: 0.0,
+        }
     }
 
     #[test]
     fn uplink_serializes_and_cut_through_takes_the_slower_side() {
-        let mut n = Network::new(vec![link(10.0, 100.0), link(10.0, 100.0), link(10.0, 100.0)], 1);
+        let mut n = Network::new(
+            vec![link(10.0, 100.0), link(10.0, 100.0), link(10.0, 100.0)],
+            1,
+        );
         // 1.25 MB at 10 Mbit/s: 1 s on the uplink; the 100 Mbit/s downlink does not add to it.
         let a = n.send(0, 1, 1_250_000, 0).unwrap();
         assert_eq!(a, 1_000_000);
@@ -206,7 +232,12 @@ mod tests {
     #[test]
     fn partitions_cut_and_heal() {
         let mut n = Network::new(vec![link(100.0, 100.0); 4], 1);
-        n.partitions.push(Partition { from: 10, until: 100, lo: 0, hi: 2 });
+        n.partitions.push(Partition {
+            from: 10,
+            until: 100,
+            lo: 0,
+            hi: 2,
+        });
         assert!(n.send(0, 1, 100, 15).is_ok());
         assert_eq!(n.send(0, 3, 100, 15), Err(Lost::Partition));
         assert!(n.send(0, 3, 100, 200).is_ok());

@@ -14,10 +14,19 @@ fn e<E: std::fmt::Display>(x: E) -> SimError {
 
 type Series = (String, Vec<(f64, f64)>, RGBColor);
 
-fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) -> Result<(), SimError> {
+fn lines(
+    out: &Path,
+    title: &str,
+    ylabel: &str,
+    series: &[Series],
+    log_y: bool,
+) -> Result<(), SimError> {
     let root = BitMapBackend::new(out, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
-    let pts = series.iter().flat_map(|s| s.1.iter()).filter(|p| p.1.is_finite() && (!log_y || p.1 > 0.0));
+    let pts = series
+        .iter()
+        .flat_map(|s| s.1.iter())
+        .filter(|p| p.1.is_finite() && (!log_y || p.1 > 0.0));
     let (mut x1, mut y0, mut y1) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
     for p in pts {
         x1 = x1.max(p.0);
@@ -31,19 +40,30 @@ fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) 
         y1 = y0 + 1.0;
     }
     let mut b = ChartBuilder::on(&root);
-    b.caption(title, ("sans-serif", 20)).margin(12).x_label_area_size(36).y_label_area_size(70);
+    b.caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70);
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
-            chart.configure_mesh().x_desc("step").y_desc(ylabel).draw().map_err(e)?;
+            chart
+                .configure_mesh()
+                .x_desc("step")
+                .y_desc(ylabel)
+                .draw()
+                .map_err(e)?;
             for (label, v, c) in series {
                 let c = *c;
-                let v: Vec<(f64, f64)> = v.iter().copied().filter(|p| !log_y || p.1 > 0.0).collect();
+                let v: Vec<(f64, f64)> =
+                    v.iter().copied().filter(|p| !log_y || p.1 > 0.0).collect();
                 chart
                     .draw_series(LineSeries::new(v, c.stroke_width(2)))
                     .map_err(e)?
                     .label(label.clone())
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
             }
             chart
                 .configure_series_labels()
@@ -55,10 +75,14 @@ fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) 
         }};
     }
     if log_y {
-        draw!(b.build_cartesian_2d(0f64..x1, (y0 * 0.8..y1 * 1.25).log_scale()).map_err(e)?);
+        draw!(b
+            .build_cartesian_2d(0f64..x1, (y0 * 0.8..y1 * 1.25).log_scale())
+            .map_err(e)?);
     } else {
         let pad = 0.05 * (y1 - y0);
-        draw!(b.build_cartesian_2d(0f64..x1, (y0 - pad).min(0.0)..y1 + pad).map_err(e)?);
+        draw!(b
+            .build_cartesian_2d(0f64..x1, (y0 - pad).min(0.0)..y1 + pad)
+            .map_err(e)?);
     }
     root.present().map_err(e)?;
     Ok(())
@@ -86,7 +110,11 @@ fn histogram(out: &Path, title: &str, hist: &[(f64, u64)]) -> Result<(), SimErro
         .draw()
         .map_err(e)?;
     chart
-        .draw_series(hist.iter().enumerate().map(|(i, h)| Rectangle::new([(i, 0), (i + 1, h.1)], BLUE.mix(0.6).filled())))
+        .draw_series(
+            hist.iter()
+                .enumerate()
+                .map(|(i, h)| Rectangle::new([(i, 0), (i + 1, h.1)], BLUE.mix(0.6).filled())),
+        )
         .map_err(e)?;
     root.present().map_err(e)?;
     Ok(())
@@ -97,7 +125,9 @@ pub fn all(m: &Metrics, dir: &Path) -> Result<(), SimError> {
     std::fs::create_dir_all(dir).map_err(|x| SimError::Io(format!("{}: {x}", dir.display())))?;
     let st = &m.steps;
     let xs = |f: &dyn Fn(&crate::metrics::StepMetrics) -> Option<f64>| -> Vec<(f64, f64)> {
-        st.iter().filter_map(|s| f(s).map(|y| (s.step as f64, y))).collect()
+        st.iter()
+            .filter_map(|s| f(s).map(|y| (s.step as f64, y)))
+            .collect()
     };
     let t = format!("{} · {} nodes · {} mode", m.scenario, m.nodes, m.mode);
     lines(
@@ -105,8 +135,16 @@ pub fn all(m: &Metrics, dir: &Path) -> Result<(), SimError> {
         &format!("{t}: objective (optimum 0)"),
         "loss",
         &[
-            ("DeMo over the simulated swarm".into(), xs(&|s| s.loss), BLUE),
-            ("AdamW + all-reduce baseline".into(), xs(&|s| Some(s.baseline_loss)), RED),
+            (
+                "DeMo over the simulated swarm".into(),
+                xs(&|s| s.loss),
+                BLUE,
+            ),
+            (
+                "AdamW + all-reduce baseline".into(),
+                xs(&|s| Some(s.baseline_loss)),
+                RED,
+            ),
         ],
         true,
     )?;
@@ -117,22 +155,46 @@ pub fn all(m: &Metrics, dir: &Path) -> Result<(), SimError> {
         "MB",
         &[
             ("down, mean".into(), xs(&|s| Some(s.down_mean / mb)), BLUE),
-            ("down, max".into(), xs(&|s| Some(s.down_max as f64 / mb)), CYAN),
+            (
+                "down, max".into(),
+                xs(&|s| Some(s.down_max as f64 / mb)),
+                CYAN,
+            ),
             ("up, mean".into(), xs(&|s| Some(s.up_mean / mb)), RED),
-            ("up, max".into(), xs(&|s| Some(s.up_max as f64 / mb)), MAGENTA),
+            (
+                "up, max".into(),
+                xs(&|s| Some(s.up_max as f64 / mb)),
+                MAGENTA,
+            ),
         ],
         false,
     )?;
-    histogram(&dir.join("latency.png"), &format!("{t}: step latency"), &m.latency_hist_ms)?;
+    histogram(
+        &dir.join("latency.png"),
+        &format!("{t}: step latency"),
+        &m.latency_hist_ms,
+    )?;
     lines(
         &dir.join("included.png"),
         &format!("{t}: updates per step"),
         "updates",
         &[
             ("produced".into(), xs(&|s| Some(s.produced as f64)), BLACK),
-            ("included (mean over nodes)".into(), xs(&|s| Some(s.included_mean)), BLUE),
-            ("included (min)".into(), xs(&|s| Some(s.included_min as f64)), CYAN),
-            ("excluded (mean)".into(), xs(&|s| Some(s.excluded_mean)), RED),
+            (
+                "included (mean over nodes)".into(),
+                xs(&|s| Some(s.included_mean)),
+                BLUE,
+            ),
+            (
+                "included (min)".into(),
+                xs(&|s| Some(s.included_min as f64)),
+                CYAN,
+            ),
+            (
+                "excluded (mean)".into(),
+                xs(&|s| Some(s.excluded_mean)),
+                RED,
+            ),
         ],
         false,
     )?;

@@ -21,13 +21,22 @@ pub struct EventQueue<E> {
 
 impl<E> Default for EventQueue<E> {
     fn default() -> Self {
-        EventQueue { heap: BinaryHeap::new(), slots: Vec::new(), free: Vec::new(), seq: 0, now: 0 }
+        EventQueue {
+            heap: BinaryHeap::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            seq: 0,
+            now: 0,
+        }
     }
 }
 
 impl<E> EventQueue<E> {
     pub fn new(start: Micros) -> Self {
-        EventQueue { now: start, ..Default::default() }
+        EventQueue {
+            now: start,
+            ..Default::default()
+        }
     }
     pub fn now(&self) -> Micros {
         self.now

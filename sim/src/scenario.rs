@@ -27,7 +27,11 @@ pub struct Timing {
 
 impl Default for Timing {
     fn default() -> Self {
-        Timing { period_ms: 2000, grace_ms: 300, summary_ms: 700 }
+        Timing {
+            period_ms: 2000,
+            grace_ms: 300,
+            summary_ms: 700,
+        }
     }
 }
 
@@ -50,7 +54,15 @@ pub struct ModelSpec {
 
 impl Default for ModelSpec {
     fn default() -> Self {
-        ModelSpec { vocab: 64, dim: 32, layers: 1, heads: 2, ffn: 64, wire_blob_bytes: 0, checkpoint_bytes: 0 }
+        ModelSpec {
+            vocab: 64,
+            dim: 32,
+            layers: 1,
+            heads: 2,
+            ffn: 64,
+            wire_blob_bytes: 0,
+            checkpoint_bytes: 0,
+        }
     }
 }
 
@@ -90,7 +102,16 @@ pub struct Optim {
 
 impl Default for Optim {
     fn default() -> Self {
-        Optim { chunk: 8, topk: 2, beta: 0.9, lr: 0.05, warmup_steps: 0, total_steps: 0, noise: 1.0, adamw_lr: 0.05 }
+        Optim {
+            chunk: 8,
+            topk: 2,
+            beta: 0.9,
+            lr: 0.05,
+            warmup_steps: 0,
+            total_steps: 0,
+            noise: 1.0,
+            adamw_lr: 0.05,
+        }
     }
 }
 
@@ -104,7 +125,11 @@ impl Optim {
             lr: self.lr,
             weight_decay: 0.0,
             warmup_steps: self.warmup_steps,
-            total_steps: if self.total_steps == 0 { steps as u32 } else { self.total_steps },
+            total_steps: if self.total_steps == 0 {
+                steps as u32
+            } else {
+                self.total_steps
+            },
             min_lr_ratio: 0.1,
             grad_clip: 0.0,
         }
@@ -126,7 +151,11 @@ pub struct Gossip {
 
 impl Default for Gossip {
     fn default() -> Self {
-        Gossip { mesh_degree: 6, fetch_timeout_ms: 2000, request_bytes: 96 }
+        Gossip {
+            mesh_degree: 6,
+            fetch_timeout_ms: 2000,
+            request_bytes: 96,
+        }
     }
 }
 
@@ -172,7 +201,12 @@ pub enum Fault {
         class: usize,
     },
     /// Nodes `[lo, hi)` are cut off from the rest from `at_step` until `heal_step`.
-    Partition { at_step: u64, heal_step: u64, lo: usize, hi: usize },
+    Partition {
+        at_step: u64,
+        heal_step: u64,
+        lo: usize,
+        hi: usize,
+    },
     /// Node `node`'s link rates are multiplied by `factor` and its training slowed by
     /// `slowdown` from `at_step` on.
     Degrade {
@@ -230,7 +264,11 @@ pub struct Flow {
 
 impl Default for Flow {
     fn default() -> Self {
-        Flow { policy: Policy::All, header_bytes: 330, summary_bytes: 300 }
+        Flow {
+            policy: Policy::All,
+            header_bytes: 330,
+            summary_bytes: 300,
+        }
     }
 }
 
@@ -271,7 +309,11 @@ impl Default for Scenario {
             optim: Optim::default(),
             gossip: Gossip::default(),
             flow: Flow::default(),
-            classes: vec![NodeClass { count: 8, link: LinkProfile::default(), compute_ms: 500 }],
+            classes: vec![NodeClass {
+                count: 8,
+                link: LinkProfile::default(),
+                compute_ms: 500,
+            }],
             faults: Vec::new(),
             attackers: Vec::new(),
             sweep: Vec::new(),
@@ -287,7 +329,8 @@ impl Scenario {
     }
 
     pub fn load(path: &std::path::Path) -> Result<Scenario, SimError> {
-        let text = std::fs::read_to_string(path).map_err(|e| SimError::Io(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| SimError::Io(format!("{}: {e}", path.display())))?;
         Self::from_toml(&text)
     }
 
@@ -308,7 +351,11 @@ impl Scenario {
 
     /// Class of each initial node, in order.
     pub fn node_classes(&self) -> Vec<usize> {
-        self.classes.iter().enumerate().flat_map(|(i, c)| std::iter::repeat_n(i, c.count)).collect()
+        self.classes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, c)| std::iter::repeat_n(i, c.count))
+            .collect()
     }
 
     pub fn check(&self) -> Result<(), SimError> {
@@ -321,9 +368,18 @@ impl Scenario {
         }
         let t = &self.timing;
         if t.period_ms == 0 || t.grace_ms + t.summary_ms > t.period_ms {
-            return bad(format!("timing: grace ({}) + summary ({}) must fit in period ({})", t.grace_ms, t.summary_ms, t.period_ms));
+            return bad(format!(
+                "timing: grace ({}) + summary ({}) must fit in period ({})",
+                t.grace_ms, t.summary_ms, t.period_ms
+            ));
         }
-        let most = self.sweep.iter().copied().max().unwrap_or(0).max(self.nodes());
+        let most = self
+            .sweep
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(self.nodes());
         if self.mode == Mode::Engine && most > 250 {
             return bad("engine mode: at most 250 nodes (the run's max_updates_per_step is 256); use mode = \"flow\"".into());
         }

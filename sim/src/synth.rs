@@ -58,7 +58,16 @@ impl Synthetic {
         let mut r = derive(&[seed, 0x74617267]);
         let target = (0..n).map(|_| (r.unit() * 2.0 - 1.0) as f32).collect();
         let curv = (0..n).map(|_| (0.1 + 0.9 * r.unit()) as f32).collect();
-        Synthetic { layout, optim, noise, seed, offsets, target, curv, momentum: Vec::new() }
+        Synthetic {
+            layout,
+            optim,
+            noise,
+            seed,
+            offsets,
+            target,
+            curv,
+            momentum: Vec::new(),
+        }
     }
 
     pub fn params_len(&self) -> usize {
@@ -67,7 +76,13 @@ impl Synthetic {
 
     fn lr(&self, step: u64) -> f64 {
         let o = &self.optim;
-        lr_at(step as u32, o.lr, o.warmup_steps, o.total_steps, o.min_lr_ratio)
+        lr_at(
+            step as u32,
+            o.lr,
+            o.warmup_steps,
+            o.total_steps,
+            o.min_lr_ratio,
+        )
     }
 
     /// The true gradient at `params` plus node-and-step noise of std `noise` (uniform).
@@ -122,7 +137,10 @@ impl Trainer for Synthetic {
                     order.extend(0..elems as u32);
                     // Largest |delta| first; ties by index, so the choice is deterministic.
                     order.select_nth_unstable_by(ke - 1, |&x, &y| {
-                        blk[y as usize].abs().total_cmp(&blk[x as usize].abs()).then(x.cmp(&y))
+                        blk[y as usize]
+                            .abs()
+                            .total_cmp(&blk[x as usize].abs())
+                            .then(x.cmp(&y))
                     });
                     for &j in &order[..ke] {
                         let v = blk[j as usize];
@@ -149,7 +167,12 @@ impl Trainer for Synthetic {
     fn apply(&self, step: u64, params: &[f32], updates: &[SparseUpdate]) -> Vec<f32> {
         let mut sum = vec![0f64; params.len()];
         for u in updates {
-            for ((tu, t), &off) in u.tensors.iter().zip(&self.layout.tensors).zip(&self.offsets) {
+            for ((tu, t), &off) in u
+                .tensors
+                .iter()
+                .zip(&self.layout.tensors)
+                .zip(&self.offsets)
+            {
                 let (idx, vals) = tu.entries(u.codec);
                 let (k, elems) = (tu.k as usize, t.block_elems());
                 for (e, (i, v)) in idx.iter().zip(&vals).enumerate() {
@@ -229,14 +252,27 @@ pub struct AdamBaseline {
 impl AdamBaseline {
     pub fn new(init: Vec<f32>, lr: f64, wd: f64) -> AdamBaseline {
         let n = init.len();
-        AdamBaseline { params: init, m: vec![0.0; n], v: vec![0.0; n], t: 0, lr, wd }
+        AdamBaseline {
+            params: init,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            t: 0,
+            lr,
+            wd,
+        }
     }
 
     pub fn step(&mut self, obj: &Synthetic, step: u64, nodes: usize) {
         let noise = obj.noise / (nodes.max(1) as f32).sqrt();
         let g = obj.gradient(u64::MAX, step, &self.params, noise);
         let o = &obj.optim;
-        let lr = lr_at(step as u32, self.lr, o.warmup_steps, o.total_steps, o.min_lr_ratio) as f32;
+        let lr = lr_at(
+            step as u32,
+            self.lr,
+            o.warmup_steps,
+            o.total_steps,
+            o.min_lr_ratio,
+        ) as f32;
         self.t += 1;
         let (b1, b2) = (0.9f32, 0.95f32);
         let (c1, c2) = (1.0 - b1.powi(self.t), 1.0 - b2.powi(self.t));
@@ -267,7 +303,14 @@ mod tests {
             rope_theta: 1e4,
             norm_eps: 1e-5,
         };
-        let optim = OptimConfig { chunk: 8, topk: 4, lr: 0.02, warmup_steps: 0, total_steps: 100, ..OptimConfig::default() };
+        let optim = OptimConfig {
+            chunk: 8,
+            topk: 4,
+            lr: 0.02,
+            warmup_steps: 0,
+            total_steps: 100,
+            ..OptimConfig::default()
+        };
         Synthetic::new(Layout::for_model(&m, 8), optim, 0.5, 3)
     }
 

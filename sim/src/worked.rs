@@ -33,7 +33,13 @@ pub struct Row {
 }
 
 fn link(up: f64, down: f64) -> LinkProfile {
-    LinkProfile { up_mbit: up, down_mbit: down, latency_ms: 0.0, jitter_ms: 0.0, loss: 0.0 }
+    LinkProfile {
+        up_mbit: up,
+        down_mbit: down,
+        latency_ms: 0.0,
+        jitter_ms: 0.0,
+        loss: 0.0,
+    }
 }
 
 /// The real update size of `1.2b` (k = 4 of 64×64 blocks, 1-bit values).
@@ -66,7 +72,9 @@ pub fn relay(n: usize, s: u64, up: f64, down: f64, relay_mbit: f64) -> (f64, f64
     let mut links = vec![link(up, down); n];
     links.push(link(relay_mbit, relay_mbit));
     let mut net = Network::new(links, 1);
-    let arrive: Vec<u64> = (0..n).map(|a| net.send(a, n, s, 0).expect("lossless")).collect();
+    let arrive: Vec<u64> = (0..n)
+        .map(|a| net.send(a, n, s, 0).expect("lossless"))
+        .collect();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&a| (arrive[a], a));
     let mut first = vec![u64::MAX; n];
@@ -90,16 +98,35 @@ pub fn gossip(n: usize, s: u64, up: f64, down: f64) -> (f64, f64, f64) {
         name: "worked-gossip".into(),
         mode: Mode::Flow,
         steps: 1,
-        timing: Timing { period_ms: 400_000, grace_ms: 1000, summary_ms: 1000 },
-        classes: vec![NodeClass { count: n, link: link(up, down), compute_ms: 0 }],
-        flow: Flow { policy: Policy::All, header_bytes: 330, summary_bytes: 300 },
-        model: crate::scenario::ModelSpec { wire_blob_bytes: s, ..Default::default() },
+        timing: Timing {
+            period_ms: 400_000,
+            grace_ms: 1000,
+            summary_ms: 1000,
+        },
+        classes: vec![NodeClass {
+            count: n,
+            link: link(up, down),
+            compute_ms: 0,
+        }],
+        flow: Flow {
+            policy: Policy::All,
+            header_bytes: 330,
+            summary_bytes: 300,
+        },
+        model: crate::scenario::ModelSpec {
+            wire_blob_bytes: s,
+            ..Default::default()
+        },
         ..Scenario::default()
     };
     let m = crate::flow::run(&sc, &mut |_, _| {});
     let st = &m.steps[0];
     let done = st.latency_max_ms / 1000.0;
-    (st.down_max as f64 * 8.0 / (down * 1e6), st.up_max as f64 * 8.0 / (up * 1e6), done)
+    (
+        st.down_max as f64 * 8.0 / (down * 1e6),
+        st.up_max as f64 * 8.0 / (up * 1e6),
+        done,
+    )
 }
 
 /// The table: the article's 2.8 MB and our 1.2b update size, 32 nodes, 100/10 Mbit/s.
@@ -109,7 +136,11 @@ pub fn table() -> Vec<Row> {
     for s in [2_800_000u64, size_1_2b()] {
         let a_down = (n as f64 - 1.0) * s as f64 * 8.0 / (down * 1e6);
         let a_up1 = s as f64 * 8.0 / (up * 1e6);
-        let label = if s == 2_800_000 { "article 2.8 MB" } else { "ours, 1.2b" };
+        let label = if s == 2_800_000 {
+            "article 2.8 MB"
+        } else {
+            "ours, 1.2b"
+        };
         let (d, u, t) = all_to_all(n, s, up, down);
         rows.push(Row {
             case: format!("{label}: all-to-all push"),

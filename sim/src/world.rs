@@ -32,10 +32,27 @@ use crate::SimError;
 const GENESIS_MS: u64 = 10_000;
 
 enum Ev {
-    Engine { node: usize, ev: Event },
-    Gossip { node: usize, from: usize, id: ContentId, bytes: Arc<Vec<u8>> },
-    FetchReq { server: usize, client: usize, blob: ContentId },
-    Checkpoint { node: usize, params: Arc<Vec<f32>>, version: u64, digest: Digest },
+    Engine {
+        node: usize,
+        ev: Event,
+    },
+    Gossip {
+        node: usize,
+        from: usize,
+        id: ContentId,
+        bytes: Arc<Vec<u8>>,
+    },
+    FetchReq {
+        server: usize,
+        client: usize,
+        blob: ContentId,
+    },
+    Checkpoint {
+        node: usize,
+        params: Arc<Vec<f32>>,
+        version: u64,
+        digest: Digest,
+    },
     Fault(usize),
     Recover(usize),
     StepMark(u64),
@@ -123,10 +140,20 @@ impl World {
             grace_ms: sc.timing.grace_ms,
             summary_ms: sc.timing.summary_ms,
         };
-        let mut run = RunConfig::new(&sc.name, model, optim.clone(), DataSpec::Synthetic { seed: sc.seed, vocab: sc.model.vocab }, timing);
+        let mut run = RunConfig::new(
+            &sc.name,
+            model,
+            optim.clone(),
+            DataSpec::Synthetic {
+                seed: sc.seed,
+                vocab: sc.model.vocab,
+            },
+            timing,
+        );
         run.seed = sc.seed;
         run.limits.inline_blob_bytes = 0;
-        run.validate().map_err(|e| SimError::Scenario(e.to_string()))?;
+        run.validate()
+            .map_err(|e| SimError::Scenario(e.to_string()))?;
         let layout = run.layout();
         let actual = encoded_size(&layout, optim.topk, optim.values) as u64;
         let wire_extra = sc.model.wire_blob_bytes.saturating_sub(actual);
@@ -134,7 +161,13 @@ impl World {
         let init = Arc::new(trainer.init());
         let genesis = params_digest(&init);
         let classes = sc.node_classes();
-        let net = Network::new(classes.iter().map(|&c| sc.classes[c].link.clone()).collect(), sc.seed);
+        let net = Network::new(
+            classes
+                .iter()
+                .map(|&c| sc.classes[c].link.clone())
+                .collect(),
+            sc.seed,
+        );
         let mut w = World {
             run,
             q: EventQueue::new((GENESIS_MS - 500) * 1000),
@@ -195,10 +228,12 @@ impl World {
         let t = w.run.timing.clone();
         for (fi, f) in sc.faults.iter().enumerate() {
             let at = match f {
-                Fault::Crash { at_step, offset_ms, .. } => t.step_start(*at_step) + offset_ms,
-                Fault::Join { at_step, .. } | Fault::Partition { at_step, .. } | Fault::Degrade { at_step, .. } => {
-                    t.step_start(*at_step)
-                }
+                Fault::Crash {
+                    at_step, offset_ms, ..
+                } => t.step_start(*at_step) + offset_ms,
+                Fault::Join { at_step, .. }
+                | Fault::Partition { at_step, .. }
+                | Fault::Degrade { at_step, .. } => t.step_start(*at_step),
             };
             w.q.push(at * 1000, Ev::Fault(fi));
         }
@@ -216,7 +251,13 @@ impl World {
         let idn = identity(self.sc.seed, i + 100_000 * incarnation as usize);
         let id = idn.node_id();
         let genesis = params.as_ref().map(|_| self.genesis);
-        let engine = Engine::new(self.run.clone(), idn, genesis, now_ms, self.sc.seed ^ i as u64);
+        let engine = Engine::new(
+            self.run.clone(),
+            idn,
+            genesis,
+            now_ms,
+            self.sc.seed ^ i as u64,
+        );
         let node = Node {
             engine: Some(engine),
             id,
@@ -241,7 +282,13 @@ impl World {
         }
         self.index.insert(id, i);
         self.trainer.reset_node(i);
-        self.q.push(self.q.now(), Ev::Engine { node: i, ev: Event::Timer });
+        self.q.push(
+            self.q.now(),
+            Ev::Engine {
+                node: i,
+                ev: Event::Timer,
+            },
+        );
     }
 
     fn connect_mesh(&mut self, i: usize) {
@@ -250,8 +297,20 @@ impl World {
         for j in peers {
             if self.nodes[j].alive {
                 let (pi, pj) = (self.nodes[i].id, self.nodes[j].id);
-                self.q.push(now, Ev::Engine { node: i, ev: Event::PeerConnected { peer: pj } });
-                self.q.push(now, Ev::Engine { node: j, ev: Event::PeerConnected { peer: pi } });
+                self.q.push(
+                    now,
+                    Ev::Engine {
+                        node: i,
+                        ev: Event::PeerConnected { peer: pj },
+                    },
+                );
+                self.q.push(
+                    now,
+                    Ev::Engine {
+                        node: j,
+                        ev: Event::PeerConnected { peer: pi },
+                    },
+                );
             }
         }
     }
@@ -272,7 +331,12 @@ impl World {
                     progress(s, self.sc.steps);
                 }
                 Ev::Engine { node, ev } => self.deliver(node, ev, now),
-                Ev::Gossip { node, from, id, bytes } => {
+                Ev::Gossip {
+                    node,
+                    from,
+                    id,
+                    bytes,
+                } => {
                     if !self.nodes[node].alive || !self.nodes[node].seen.insert(id) {
                         continue;
                     }
@@ -280,10 +344,27 @@ impl World {
                     self.next_tag += 1;
                     self.pending.insert(tag, (node, from, id, bytes.clone()));
                     let from_id = self.nodes[from].id;
-                    self.deliver(node, Event::Message { from: from_id, tag: Some(tag), bytes: bytes.to_vec() }, now);
+                    self.deliver(
+                        node,
+                        Event::Message {
+                            from: from_id,
+                            tag: Some(tag),
+                            bytes: bytes.to_vec(),
+                        },
+                        now,
+                    );
                 }
-                Ev::FetchReq { server, client, blob } => self.serve(server, client, blob, now),
-                Ev::Checkpoint { node, params, version, digest } => {
+                Ev::FetchReq {
+                    server,
+                    client,
+                    blob,
+                } => self.serve(server, client, blob, now),
+                Ev::Checkpoint {
+                    node,
+                    params,
+                    version,
+                    digest,
+                } => {
                     if self.nodes[node].alive {
                         self.nodes[node].params = params;
                         self.nodes[node].digest = digest;
@@ -304,13 +385,16 @@ impl World {
 
     fn fault(&mut self, fi: usize, now: Micros) {
         match self.sc.faults[fi].clone() {
-            Fault::Crash { node, recover_step, .. } => {
+            Fault::Crash {
+                node, recover_step, ..
+            } => {
                 if node < self.nodes.len() {
                     self.nodes[node].alive = false;
                     self.nodes[node].engine = None;
                     self.net.set_down(node, true, now);
                     if let Some(r) = recover_step {
-                        self.q.push(self.run.timing.step_start(r) * 1000, Ev::Recover(node));
+                        self.q
+                            .push(self.run.timing.step_start(r) * 1000, Ev::Recover(node));
                     }
                 }
             }
@@ -329,16 +413,29 @@ impl World {
                     self.connect_mesh(i);
                 }
             }
-            Fault::Partition { heal_step, lo, hi, .. } => {
+            Fault::Partition {
+                heal_step, lo, hi, ..
+            } => {
                 let until = self.run.timing.step_start(heal_step) * 1000;
-                self.net.partitions.push(Partition { from: now, until, lo, hi });
+                self.net.partitions.push(Partition {
+                    from: now,
+                    until,
+                    lo,
+                    hi,
+                });
             }
-            Fault::Degrade { node, factor, slowdown, .. } => {
+            Fault::Degrade {
+                node,
+                factor,
+                slowdown,
+                ..
+            } => {
                 if node < self.nodes.len() {
                     let l: &mut LinkProfile = &mut self.net.links[node];
                     l.up_mbit *= factor;
                     l.down_mbit *= factor;
-                    self.nodes[node].compute_ms = (self.nodes[node].compute_ms as f64 * slowdown) as u64;
+                    self.nodes[node].compute_ms =
+                        (self.nodes[node].compute_ms as f64 * slowdown) as u64;
                 }
             }
         }
@@ -355,7 +452,9 @@ impl World {
             Event::LocalUpdate { step, .. } => Some(*step),
             _ => None,
         };
-        let Some(engine) = self.nodes[i].engine.as_mut() else { return };
+        let Some(engine) = self.nodes[i].engine.as_mut() else {
+            return;
+        };
         let actions = engine.handle(ev, now / 1000);
         for a in actions {
             if let (Some(step), Action::Publish { bytes }) = (local, &a) {
@@ -367,11 +466,31 @@ impl World {
         }
     }
 
-    fn send_gossip(&mut self, i: usize, id: ContentId, bytes: Arc<Vec<u8>>, except: Option<usize>, now: Micros) {
-        let peers: Vec<usize> = self.nodes[i].mesh.iter().copied().filter(|&j| Some(j) != except).collect();
+    fn send_gossip(
+        &mut self,
+        i: usize,
+        id: ContentId,
+        bytes: Arc<Vec<u8>>,
+        except: Option<usize>,
+        now: Micros,
+    ) {
+        let peers: Vec<usize> = self.nodes[i]
+            .mesh
+            .iter()
+            .copied()
+            .filter(|&j| Some(j) != except)
+            .collect();
         for j in peers {
             if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
-                self.q.push(at, Ev::Gossip { node: j, from: i, id, bytes: bytes.clone() });
+                self.q.push(
+                    at,
+                    Ev::Gossip {
+                        node: j,
+                        from: i,
+                        id,
+                        bytes: bytes.clone(),
+                    },
+                );
             }
         }
     }
@@ -381,20 +500,33 @@ impl World {
     }
 
     fn serve(&mut self, server: usize, client: usize, blob: ContentId, now: Micros) {
-        let fail = Ev::Engine { node: client, ev: Event::FetchFailed { from: self.nodes[server].id, blob } };
+        let fail = Ev::Engine {
+            node: client,
+            ev: Event::FetchFailed {
+                from: self.nodes[server].id,
+                blob,
+            },
+        };
         if !self.nodes[server].alive {
             return self.q.push(now + self.timeout(), fail);
         }
         let resp = match self.nodes[server].role {
             Role::Withhold => None,
-            _ => self.nodes[server].engine.as_ref().and_then(|e| e.serve_update(&blob)),
+            _ => self.nodes[server]
+                .engine
+                .as_ref()
+                .and_then(|e| e.serve_update(&blob)),
         };
         match resp {
             Some(frame) => {
                 let bytes = frame.len() as u64 + self.wire_extra;
                 match self.net.send(server, client, bytes, now) {
                     Ok(at) => {
-                        let ev = Event::Fetched { from: self.nodes[server].id, blob, bytes: frame };
+                        let ev = Event::Fetched {
+                            from: self.nodes[server].id,
+                            blob,
+                            bytes: frame,
+                        };
                         self.q.push(at, Ev::Engine { node: client, ev });
                     }
                     Err(_) => self.q.push(now + self.timeout(), fail),
@@ -418,7 +550,17 @@ impl World {
                 if let Some(&j) = self.index.get(&peer) {
                     if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
                         let from = self.nodes[i].id;
-                        self.q.push(at, Ev::Engine { node: j, ev: Event::Message { from, tag: None, bytes } });
+                        self.q.push(
+                            at,
+                            Ev::Engine {
+                                node: j,
+                                ev: Event::Message {
+                                    from,
+                                    tag: None,
+                                    bytes,
+                                },
+                            },
+                        );
                     }
                 }
             }
@@ -430,10 +572,20 @@ impl World {
                 }
             }
             Action::Fetch { peer, blob } => {
-                let fail = Ev::Engine { node: i, ev: Event::FetchFailed { from: peer, blob } };
+                let fail = Ev::Engine {
+                    node: i,
+                    ev: Event::FetchFailed { from: peer, blob },
+                };
                 match self.index.get(&peer).copied() {
                     Some(j) => match self.net.send(i, j, self.sc.gossip.request_bytes, now) {
-                        Ok(at) => self.q.push(at, Ev::FetchReq { server: j, client: i, blob }),
+                        Ok(at) => self.q.push(
+                            at,
+                            Ev::FetchReq {
+                                server: j,
+                                client: i,
+                                blob,
+                            },
+                        ),
                         Err(_) => self.q.push(now + self.timeout(), fail),
                     },
                     None => self.q.push(now + self.timeout(), fail),
@@ -443,9 +595,21 @@ impl World {
                 let src = peers
                     .iter()
                     .filter_map(|p| self.index.get(p).copied())
-                    .find(|&j| self.nodes[j].alive && self.nodes[j].engine.as_ref().is_some_and(|e| e.status().synced));
+                    .find(|&j| {
+                        self.nodes[j].alive
+                            && self.nodes[j]
+                                .engine
+                                .as_ref()
+                                .is_some_and(|e| e.status().synced)
+                    });
                 let Some(j) = src else {
-                    return self.q.push(now + 1_000_000, Ev::Engine { node: i, ev: Event::CheckpointFailed });
+                    return self.q.push(
+                        now + 1_000_000,
+                        Ev::Engine {
+                            node: i,
+                            ev: Event::CheckpointFailed,
+                        },
+                    );
                 };
                 let st = self.nodes[j].engine.as_ref().expect("alive").status();
                 let bytes = match self.sc.model.checkpoint_bytes {
@@ -455,8 +619,22 @@ impl World {
                 // The snapshot is taken when the transfer starts, as a server streams a version.
                 let (params, digest) = (self.nodes[j].params.clone(), self.nodes[j].digest);
                 match self.net.send(j, i, bytes, now) {
-                    Ok(at) => self.q.push(at, Ev::Checkpoint { node: i, params, version: st.version, digest }),
-                    Err(_) => self.q.push(now + self.timeout(), Ev::Engine { node: i, ev: Event::CheckpointFailed }),
+                    Ok(at) => self.q.push(
+                        at,
+                        Ev::Checkpoint {
+                            node: i,
+                            params,
+                            version: st.version,
+                            digest,
+                        },
+                    ),
+                    Err(_) => self.q.push(
+                        now + self.timeout(),
+                        Ev::Engine {
+                            node: i,
+                            ev: Event::CheckpointFailed,
+                        },
+                    ),
                 }
             }
             Action::StartStep { step, .. } => {
@@ -468,13 +646,29 @@ impl World {
                 let blob = upd.encode();
                 let at = now + self.nodes[i].compute_ms * 1000;
                 self.nodes[i].arrivals.insert(ContentId::of(&blob), at);
-                self.q.push(at, Ev::Engine { node: i, ev: Event::LocalUpdate { step, blob, tokens: 1 } });
+                self.q.push(
+                    at,
+                    Ev::Engine {
+                        node: i,
+                        ev: Event::LocalUpdate {
+                            step,
+                            blob,
+                            tokens: 1,
+                        },
+                    },
+                );
             }
             Action::Apply { step, updates } => self.apply(i, step, updates, now),
             Action::SetTimer { at } => {
                 if self.nodes[i].timer != Some(at) {
                     self.nodes[i].timer = Some(at);
-                    self.q.push(at * 1000, Ev::Engine { node: i, ev: Event::Timer });
+                    self.q.push(
+                        at * 1000,
+                        Ev::Engine {
+                            node: i,
+                            ev: Event::Timer,
+                        },
+                    );
                 }
             }
             Action::Report(r) => match r {
@@ -486,7 +680,13 @@ impl World {
         }
     }
 
-    fn apply(&mut self, i: usize, step: u64, updates: Vec<protocol::engine::Included>, now: Micros) {
+    fn apply(
+        &mut self,
+        i: usize,
+        step: u64,
+        updates: Vec<protocol::engine::Included>,
+        now: Micros,
+    ) {
         let mut key = self.nodes[i].digest.0.to_vec();
         key.extend_from_slice(&step.to_le_bytes());
         for u in &updates {
@@ -498,11 +698,16 @@ impl World {
             None => {
                 let decoded: Vec<SparseUpdate> = updates
                     .iter()
-                    .map(|u| SparseUpdate::decode(&u.bytes.0, u.bytes.0.len()).expect("the engine validated it"))
+                    .map(|u| {
+                        SparseUpdate::decode(&u.bytes.0, u.bytes.0.len())
+                            .expect("the engine validated it")
+                    })
                     .collect();
                 let p = Arc::new(self.trainer.apply(step, &self.nodes[i].params, &decoded));
                 let d = params_digest(&p);
-                self.losses.entry(d).or_insert_with(|| self.trainer.loss(&p));
+                self.losses
+                    .entry(d)
+                    .or_insert_with(|| self.trainer.loss(&p));
                 self.cache.retain(|_, (s, _, _)| *s + 3 > step);
                 self.cache.insert(key, (step, p.clone(), d));
                 (p, d)
@@ -518,8 +723,19 @@ impl World {
         n.arrivals.retain(|_, t| *t + 4 * 1000 * 1000 * 60 > now);
         n.params = params;
         n.digest = digest;
-        self.applied.push(Applied { step, digest, included: updates.len() as u32, latency_ms });
-        self.q.push(now + 1000, Ev::Engine { node: i, ev: Event::Applied { step, digest } });
+        self.applied.push(Applied {
+            step,
+            digest,
+            included: updates.len() as u32,
+            latency_ms,
+        });
+        self.q.push(
+            now + 1000,
+            Ev::Engine {
+                node: i,
+                ev: Event::Applied { step, digest },
+            },
+        );
     }
 
     fn metrics(self) -> Metrics {
@@ -552,7 +768,11 @@ impl World {
                 up_x = live.iter().map(|&i| up[i]).max().unwrap_or(0);
                 dn_x = live.iter().map(|&i| down[i]).max().unwrap_or(0);
             }
-            let im = if inc.is_empty() { 0.0 } else { inc.iter().sum::<u32>() as f64 / inc.len() as f64 };
+            let im = if inc.is_empty() {
+                0.0
+            } else {
+                inc.iter().sum::<u32>() as f64 / inc.len() as f64
+            };
             rows.push(StepMetrics {
                 step: s,
                 loss: maj.and_then(|(d, _)| self.losses.get(d).copied()),
@@ -578,7 +798,11 @@ impl World {
             mode: "engine".into(),
             seed: sc.seed,
             nodes: self.nodes.len(),
-            update_bytes: encoded_size(&self.trainer.layout, sc.optim.topk, protocol::config::ValueCodec::Sign) as u64
+            update_bytes: encoded_size(
+                &self.trainer.layout,
+                sc.optim.topk,
+                protocol::config::ValueCodec::Sign,
+            ) as u64
                 + self.wire_extra,
             steps: rows,
             ..Default::default()

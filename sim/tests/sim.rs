@@ -1,18 +1,28 @@
 //! The simulator end to end: real engines agree and train, faults heal, the flow model
 //! scales, and the same seed gives byte-identical metrics.
 
-use sim::scenario::{Attacker, Fault, Mode, NodeClass, Policy, Scenario};
 use sim::net::LinkProfile;
+use sim::scenario::{Attacker, Fault, Mode, NodeClass, Policy, Scenario};
 
 fn fast_link() -> LinkProfile {
-    LinkProfile { up_mbit: 1000.0, down_mbit: 1000.0, latency_ms: 10.0, jitter_ms: 5.0, loss: 0.0 }
+    LinkProfile {
+        up_mbit: 1000.0,
+        down_mbit: 1000.0,
+        latency_ms: 10.0,
+        jitter_ms: 5.0,
+        loss: 0.0,
+    }
 }
 
 fn small(n: usize, steps: u64) -> Scenario {
     Scenario {
         name: "t".into(),
         steps,
-        classes: vec![NodeClass { count: n, link: fast_link(), compute_ms: 300 }],
+        classes: vec![NodeClass {
+            count: n,
+            link: fast_link(),
+            compute_ms: 300,
+        }],
         ..Scenario::default()
     }
 }
@@ -48,7 +58,10 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
     assert_ne!(a, run(&sc).to_json());
     let mut f = small(40, 5);
     f.mode = Mode::Flow;
-    f.flow.policy = Policy::Committee { m: 8, min_reputation: 1 };
+    f.flow.policy = Policy::Committee {
+        m: 8,
+        min_reputation: 1,
+    };
     assert_eq!(run(&f).to_json(), run(&f).to_json());
 }
 
@@ -56,8 +69,17 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 fn crash_recover_and_join_catch_up() {
     let mut sc = small(6, 16);
     sc.faults = vec![
-        Fault::Crash { node: 1, at_step: 3, offset_ms: 100, recover_step: Some(7) },
-        Fault::Join { at_step: 5, count: 1, class: 0 },
+        Fault::Crash {
+            node: 1,
+            at_step: 3,
+            offset_ms: 100,
+            recover_step: Some(7),
+        },
+        Fault::Join {
+            at_step: 5,
+            count: 1,
+            class: 0,
+        },
     ];
     let m = run(&sc);
     // While node 1 is down only 5 (then 5 + the joiner) apply; at the end all 7 do.
@@ -66,13 +88,22 @@ fn crash_recover_and_join_catch_up() {
     assert_eq!(last.applied_nodes, 7, "{last:?}");
     assert!(m.steps.iter().all(|s| s.agree == 1.0), "{:?}", m.steps);
     // Step 2 is applied after the crash (5 nodes); the joiner catches up within two steps.
-    assert!(m.steps[2].applied_nodes == 5 && m.steps[7].applied_nodes == 7, "{:?}", m.steps.iter().map(|s| s.applied_nodes).collect::<Vec<_>>());
+    assert!(
+        m.steps[2].applied_nodes == 5 && m.steps[7].applied_nodes == 7,
+        "{:?}",
+        m.steps.iter().map(|s| s.applied_nodes).collect::<Vec<_>>()
+    );
 }
 
 #[test]
 fn partition_heals_and_withholders_are_left_out() {
     let mut sc = small(8, 14);
-    sc.faults = vec![Fault::Partition { at_step: 3, heal_step: 6, lo: 0, hi: 3 }];
+    sc.faults = vec![Fault::Partition {
+        at_step: 3,
+        heal_step: 6,
+        lo: 0,
+        hi: 3,
+    }];
     sc.attackers = vec![Attacker::Withhold { nodes: vec![7] }];
     let m = run(&sc);
     let last = m.steps.last().unwrap();
@@ -82,7 +113,13 @@ fn partition_heals_and_withholders_are_left_out() {
     assert!(last.agree >= 7.0 / 8.0, "{last:?}");
     assert_eq!(last.included_min, 7, "{last:?}");
     // During the partition the two sides include different sets.
-    assert!(m.steps[3..6].iter().any(|s| s.agree < 1.0 || s.included_min < 7), "{:?}", &m.steps[3..6]);
+    assert!(
+        m.steps[3..6]
+            .iter()
+            .any(|s| s.agree < 1.0 || s.included_min < 7),
+        "{:?}",
+        &m.steps[3..6]
+    );
 }
 
 #[test]
@@ -97,9 +134,17 @@ fn committee_bounds_download_and_all_grows() {
     let c = |m: &sim::Metrics| m.steps.last().unwrap().down_mean;
     let (a20, a60) = (mk(20, Policy::All), mk(60, Policy::All));
     assert!(c(&a60) > 2.5 * c(&a20), "all: {} vs {}", c(&a20), c(&a60));
-    let k = Policy::Committee { m: 8, min_reputation: 1 };
+    let k = Policy::Committee {
+        m: 8,
+        min_reputation: 1,
+    };
     let (k20, k60) = (mk(20, k.clone()), mk(60, k));
-    assert!(c(&k60) < 1.3 * c(&k20), "committee: {} vs {}", c(&k20), c(&k60));
+    assert!(
+        c(&k60) < 1.3 * c(&k20),
+        "committee: {} vs {}",
+        c(&k20),
+        c(&k60)
+    );
     assert_eq!(k60.steps.last().unwrap().included_mean, 8.0);
 }
 

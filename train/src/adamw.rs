@@ -31,7 +31,11 @@ impl AdamW {
         let bc1 = 1.0 - self.beta1.powi(self.t);
         let bc2 = 1.0 - self.beta2.powi(self.t);
         tch::no_grad(|| {
-            for ((p, g), (m, v)) in params.iter().zip(grads).zip(self.m.iter_mut().zip(self.v.iter_mut())) {
+            for ((p, g), (m, v)) in params
+                .iter()
+                .zip(grads)
+                .zip(self.m.iter_mut().zip(self.v.iter_mut()))
+            {
                 let mut p = p.shallow_clone();
                 let _ = m.g_mul_scalar_(self.beta1);
                 let _ = m.g_add_(&(g * (1.0 - self.beta1)));

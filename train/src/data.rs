@@ -25,7 +25,14 @@ pub struct MarkovChain {
 impl MarkovChain {
     pub fn new(seed: u64, vocab: usize, branch: usize) -> MarkovChain {
         let v = vocab;
-        let mut rng = Rng::derive("swarm synthetic corpus v1", &[&seed.to_le_bytes(), &(v as u64).to_le_bytes(), &(branch as u64).to_le_bytes()]);
+        let mut rng = Rng::derive(
+            "swarm synthetic corpus v1",
+            &[
+                &seed.to_le_bytes(),
+                &(v as u64).to_le_bytes(),
+                &(branch as u64).to_le_bytes(),
+            ],
+        );
         let mut probs: Vec<Vec<(u32, f64)>> = Vec::with_capacity(v * v);
         for _ in 0..v * v {
             let mut toks: Vec<u32> = Vec::with_capacity(branch);
@@ -37,9 +44,16 @@ impl MarkovChain {
             }
             toks.sort();
             // Weights ~ Exp(1) (a Dirichlet(1) draw once normalized).
-            let w: Vec<f64> = toks.iter().map(|_| -(1.0 - rng.next_f64()).ln() + 1e-3).collect();
+            let w: Vec<f64> = toks
+                .iter()
+                .map(|_| -(1.0 - rng.next_f64()).ln() + 1e-3)
+                .collect();
             let sum: f64 = w.iter().sum();
-            probs.push(toks.into_iter().zip(w.into_iter().map(|x| x / sum)).collect());
+            probs.push(
+                toks.into_iter()
+                    .zip(w.into_iter().map(|x| x / sum))
+                    .collect(),
+            );
         }
         // Stationary distribution over contexts by power iteration on the lazy chain
         // (½I + ½P has the same stationary law and always converges).
@@ -60,7 +74,11 @@ impl MarkovChain {
         }
         let s: f64 = pi.iter().sum();
         pi.iter_mut().for_each(|p| *p /= s);
-        let h_row = |row: &[(u32, f64)]| -> f64 { row.iter().map(|&(_, p)| if p > 0.0 { -p * p.ln() } else { 0.0 }).sum() };
+        let h_row = |row: &[(u32, f64)]| -> f64 {
+            row.iter()
+                .map(|&(_, p)| if p > 0.0 { -p * p.ln() } else { 0.0 })
+                .sum()
+        };
         let entropy_rate: f64 = probs.iter().zip(&pi).map(|(r, p)| p * h_row(r)).sum();
         // H(X1|X0) = H(X0,X1) − H(X0) under the stationary pair law.
         let h_joint: f64 = pi.iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
@@ -68,7 +86,11 @@ impl MarkovChain {
         for (ctx, p) in pi.iter().enumerate() {
             marg[ctx / v] += p;
         }
-        let h_marg: f64 = marg.iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
+        let h_marg: f64 = marg
+            .iter()
+            .filter(|&&p| p > 0.0)
+            .map(|&p| -p * p.ln())
+            .sum();
         let mut cdf = Vec::with_capacity(v * v);
         let mut acc = 0.0;
         for p in &pi {
@@ -79,10 +101,22 @@ impl MarkovChain {
             .into_iter()
             .map(|row| {
                 let mut acc = 0.0;
-                row.into_iter().map(|(t, p)| { acc += p; (t, acc) }).collect()
+                row.into_iter()
+                    .map(|(t, p)| {
+                        acc += p;
+                        (t, acc)
+                    })
+                    .collect()
             })
             .collect();
-        MarkovChain { vocab: v, branch, next, cdf, entropy_rate, first_order_entropy: h_joint - h_marg }
+        MarkovChain {
+            vocab: v,
+            branch,
+            next,
+            cdf,
+            entropy_rate,
+            first_order_entropy: h_joint - h_marg,
+        }
     }
 
     /// The best achievable mean loss on a sequence predicting `len` targets from its prefix:
@@ -94,7 +128,10 @@ impl MarkovChain {
     /// `len` tokens, starting from a stationary context.
     pub fn sample(&self, rng: &mut Rng, len: usize) -> Vec<u32> {
         let u = rng.next_f64();
-        let ctx = self.cdf.partition_point(|&c| c <= u).min(self.cdf.len() - 1);
+        let ctx = self
+            .cdf
+            .partition_point(|&c| c <= u)
+            .min(self.cdf.len() - 1);
         let (mut a, mut b) = ((ctx / self.vocab) as u32, (ctx % self.vocab) as u32);
         let mut out = Vec::with_capacity(len);
         out.push(a);
@@ -102,7 +139,11 @@ impl MarkovChain {
         while out.len() < len {
             let row = &self.next[a as usize * self.vocab + b as usize];
             let u = rng.next_f64();
-            let c = row.iter().find(|&&(_, c)| u < c).unwrap_or(row.last().unwrap()).0;
+            let c = row
+                .iter()
+                .find(|&&(_, c)| u < c)
+                .unwrap_or(row.last().unwrap())
+                .0;
             out.push(c);
             a = b;
             b = c;
@@ -134,7 +175,9 @@ impl Tokens {
         match self {
             Tokens::Owned(v) => v[i],
             Tokens::U16(m) => u16::from_le_bytes([m[2 * i], m[2 * i + 1]]) as u32,
-            Tokens::U32(m) => u32::from_le_bytes([m[4 * i], m[4 * i + 1], m[4 * i + 2], m[4 * i + 3]]),
+            Tokens::U32(m) => {
+                u32::from_le_bytes([m[4 * i], m[4 * i + 1], m[4 * i + 2], m[4 * i + 3]])
+            }
         }
     }
 }
@@ -143,22 +186,41 @@ impl Tokens {
 pub enum Corpus {
     Synthetic(MarkovChain),
     /// A token stream; the last tenth is held out for evaluation.
-    Stream { tokens: Tokens, vocab: usize, describe: String },
+    Stream {
+        tokens: Tokens,
+        vocab: usize,
+        describe: String,
+    },
 }
 
 /// How to read `--data`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DataSpec {
-    Synthetic { seed: u64, vocab: usize, branch: usize },
+    Synthetic {
+        seed: u64,
+        vocab: usize,
+        branch: usize,
+    },
     /// UTF-8 text, byte-level tokens (vocab 256), or through a HF `tokenizer.json`.
-    Text { path: String, tokenizer: Option<String> },
+    Text {
+        path: String,
+        tokenizer: Option<String>,
+    },
     /// A flat shard of little-endian tokens of `width` bits (16 or 32), memory-mapped.
-    Shard { path: String, width: u32, vocab: usize },
+    Shard {
+        path: String,
+        width: u32,
+        vocab: usize,
+    },
 }
 
 impl DataSpec {
     pub fn synthetic_default() -> DataSpec {
-        DataSpec::Synthetic { seed: 1, vocab: 32, branch: 4 }
+        DataSpec::Synthetic {
+            seed: 1,
+            vocab: 32,
+            branch: 4,
+        }
     }
 }
 
@@ -168,29 +230,52 @@ const EVAL_FRACTION: f64 = 0.1;
 impl Corpus {
     pub fn open(spec: &DataSpec) -> Result<Corpus, TrainError> {
         match spec {
-            DataSpec::Synthetic { seed, vocab, branch } => Ok(Corpus::Synthetic(MarkovChain::new(*seed, *vocab, *branch))),
+            DataSpec::Synthetic {
+                seed,
+                vocab,
+                branch,
+            } => Ok(Corpus::Synthetic(MarkovChain::new(*seed, *vocab, *branch))),
             DataSpec::Text { path, tokenizer } => {
-                let text = std::fs::read(path).map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let text =
+                    std::fs::read(path).map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
                 let (tokens, vocab, how) = match tokenizer {
-                    None => (text.iter().map(|&b| b as u32).collect::<Vec<_>>(), 256, "bytes".to_string()),
+                    None => (
+                        text.iter().map(|&b| b as u32).collect::<Vec<_>>(),
+                        256,
+                        "bytes".to_string(),
+                    ),
                     Some(tok) => {
-                        let t = tokenizers::Tokenizer::from_file(tok).map_err(|e| TrainError::Data(format!("{tok}: {e}")))?;
-                        let s = String::from_utf8(text).map_err(|e| TrainError::Data(format!("{path}: not UTF-8: {e}")))?;
-                        let enc = t.encode(s, false).map_err(|e| TrainError::Data(format!("tokenizing {path}: {e}")))?;
-                        (enc.get_ids().to_vec(), t.get_vocab_size(true), format!("tokenizer {tok}"))
+                        let t = tokenizers::Tokenizer::from_file(tok)
+                            .map_err(|e| TrainError::Data(format!("{tok}: {e}")))?;
+                        let s = String::from_utf8(text)
+                            .map_err(|e| TrainError::Data(format!("{path}: not UTF-8: {e}")))?;
+                        let enc = t
+                            .encode(s, false)
+                            .map_err(|e| TrainError::Data(format!("tokenizing {path}: {e}")))?;
+                        (
+                            enc.get_ids().to_vec(),
+                            t.get_vocab_size(true),
+                            format!("tokenizer {tok}"),
+                        )
                     }
                 };
                 Self::stream(Tokens::Owned(tokens), vocab, format!("{path} ({how})"))
             }
             DataSpec::Shard { path, width, vocab } => {
-                let f = std::fs::File::open(path).map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let f = std::fs::File::open(path)
+                    .map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
                 // Safety: the shard is read-only input; a concurrent writer would only change
                 // which tokens we read, not memory safety of the slice bounds we check.
-                let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let m = unsafe { memmap2::Mmap::map(&f) }
+                    .map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
                 let tokens = match width {
                     16 => Tokens::U16(m),
                     32 => Tokens::U32(m),
-                    w => return Err(TrainError::Data(format!("token width {w} (expected 16 or 32)"))),
+                    w => {
+                        return Err(TrainError::Data(format!(
+                            "token width {w} (expected 16 or 32)"
+                        )))
+                    }
                 };
                 let vocab = if *vocab > 0 {
                     *vocab
@@ -204,9 +289,16 @@ impl Corpus {
 
     fn stream(tokens: Tokens, vocab: usize, describe: String) -> Result<Corpus, TrainError> {
         if tokens.len() < 1000 {
-            return Err(TrainError::Data(format!("{describe}: only {} tokens", tokens.len())));
+            return Err(TrainError::Data(format!(
+                "{describe}: only {} tokens",
+                tokens.len()
+            )));
         }
-        Ok(Corpus::Stream { tokens, vocab, describe })
+        Ok(Corpus::Stream {
+            tokens,
+            vocab,
+            describe,
+        })
     }
 
     pub fn vocab(&self) -> usize {
@@ -236,8 +328,24 @@ impl Corpus {
 
     /// `batch` sequences of `seq + 1` tokens, a pure function of its arguments. `split` is
     /// "train" or "eval" (held-out: fresh chain samples, or the stream's last tenth).
-    pub fn sequences(&self, split: &str, seed: u64, node: &[u8], step: u64, batch: usize, seq: usize) -> Vec<Vec<u32>> {
-        let mut rng = Rng::derive("swarm batch v1", &[split.as_bytes(), &seed.to_le_bytes(), node, &step.to_le_bytes()]);
+    pub fn sequences(
+        &self,
+        split: &str,
+        seed: u64,
+        node: &[u8],
+        step: u64,
+        batch: usize,
+        seq: usize,
+    ) -> Vec<Vec<u32>> {
+        let mut rng = Rng::derive(
+            "swarm batch v1",
+            &[
+                split.as_bytes(),
+                &seed.to_le_bytes(),
+                node,
+                &step.to_le_bytes(),
+            ],
+        );
         match self {
             Corpus::Synthetic(m) => (0..batch).map(|_| m.sample(&mut rng, seq + 1)).collect(),
             Corpus::Stream { tokens, .. } => {
@@ -248,7 +356,9 @@ impl Corpus {
                 (0..batch)
                     .map(|_| {
                         let start = lo + rng.below(span) as usize;
-                        (start..start + seq + 1).map(|i| tokens.get(i.min(n - 1))).collect()
+                        (start..start + seq + 1)
+                            .map(|i| tokens.get(i.min(n - 1)))
+                            .collect()
                     })
                     .collect()
             }
@@ -256,10 +366,24 @@ impl Corpus {
     }
 
     /// (inputs, targets), each `[batch, seq]` i64 on `device`.
-    pub fn batch(&self, split: &str, seed: u64, node: &[u8], step: u64, batch: usize, seq: usize, device: Device) -> (Tensor, Tensor) {
+    pub fn batch(
+        &self,
+        split: &str,
+        seed: u64,
+        node: &[u8],
+        step: u64,
+        batch: usize,
+        seq: usize,
+        device: Device,
+    ) -> (Tensor, Tensor) {
         let seqs = self.sequences(split, seed, node, step, batch, seq);
-        let flat: Vec<i64> = seqs.iter().flat_map(|s| s.iter().map(|&t| t as i64)).collect();
-        let all = Tensor::from_slice(&flat).view([batch as i64, seq as i64 + 1]).to_kind(Kind::Int64);
+        let flat: Vec<i64> = seqs
+            .iter()
+            .flat_map(|s| s.iter().map(|&t| t as i64))
+            .collect();
+        let all = Tensor::from_slice(&flat)
+            .view([batch as i64, seq as i64 + 1])
+            .to_kind(Kind::Int64);
         let x = all.narrow(1, 0, seq as i64).to_device(device);
         let y = all.narrow(1, 1, seq as i64).to_device(device);
         (x, y)

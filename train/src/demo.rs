@@ -33,19 +33,33 @@ pub struct DctCodec {
 
 fn to_blocks(t: &Tensor, l: &TensorLayout) -> Tensor {
     let (r, c, h, w) = (l.rows as i64, l.cols as i64, l.h as i64, l.w as i64);
-    t.reshape([r / h, h, c / w, w]).permute([0, 2, 1, 3]).reshape([-1, h, w])
+    t.reshape([r / h, h, c / w, w])
+        .permute([0, 2, 1, 3])
+        .reshape([-1, h, w])
 }
 
 fn from_blocks(b: &Tensor, l: &TensorLayout) -> Tensor {
     let (r, c, h, w) = (l.rows as i64, l.cols as i64, l.h as i64, l.w as i64);
     let shape: Vec<i64> = l.shape.iter().map(|&x| x as i64).collect();
-    b.reshape([r / h, c / w, h, w]).permute([0, 2, 1, 3]).reshape(&shape[..])
+    b.reshape([r / h, c / w, h, w])
+        .permute([0, 2, 1, 3])
+        .reshape(&shape[..])
 }
 
 fn basis(n: usize, quantized: bool, device: Device) -> Tensor {
-    let v = if quantized { sparse::dct_basis_quantized(n) } else { sparse::dct_basis(n) };
-    let t = Tensor::from_slice(&v).view([n as i64, n as i64]).to_device(device);
-    if quantized { t } else { t.to_kind(Kind::Float) }
+    let v = if quantized {
+        sparse::dct_basis_quantized(n)
+    } else {
+        sparse::dct_basis(n)
+    };
+    let t = Tensor::from_slice(&v)
+        .view([n as i64, n as i64])
+        .to_device(device);
+    if quantized {
+        t
+    } else {
+        t.to_kind(Kind::Float)
+    }
 }
 
 impl DctCodec {
@@ -68,7 +82,11 @@ impl DctCodec {
                 fwq: basis(t.w, true, device),
             });
         }
-        DctCodec { layout, groups, device }
+        DctCodec {
+            layout,
+            groups,
+            device,
+        }
     }
 
     pub fn device(&self) -> Device {
@@ -88,8 +106,16 @@ impl DctCodec {
         tch::no_grad(|| {
             for g in &self.groups {
                 let (h, w) = (g.h as i64, g.w as i64);
-                let blocks: Vec<Tensor> = g.tensors.iter().map(|&i| to_blocks(&deltas[i], &self.layout.tensors[i])).collect();
-                let counts: Vec<i64> = g.tensors.iter().map(|&i| self.layout.tensors[i].blocks() as i64).collect();
+                let blocks: Vec<Tensor> = g
+                    .tensors
+                    .iter()
+                    .map(|&i| to_blocks(&deltas[i], &self.layout.tensors[i]))
+                    .collect();
+                let counts: Vec<i64> = g
+                    .tensors
+                    .iter()
+                    .map(|&i| self.layout.tensors[i].blocks() as i64)
+                    .collect();
                 let x = Tensor::cat(&blocks, 0);
                 let nb = x.size()[0];
                 let flat = Self::forward(g, &x).reshape([nb, h * w]);
@@ -108,22 +134,41 @@ impl DctCodec {
                     let _ = deltas[ti].g_sub_(&from_blocks(&part, l));
                     let n = (counts[j] * ke) as usize;
                     let mut iv = vec![0i64; n];
-                    idx_cpu.narrow(0, start, counts[j]).reshape([-1]).copy_data(&mut iv, n);
+                    idx_cpu
+                        .narrow(0, start, counts[j])
+                        .reshape([-1])
+                        .copy_data(&mut iv, n);
                     let mut vv = vec![0f32; n];
-                    val_cpu.narrow(0, start, counts[j]).reshape([-1]).copy_data(&mut vv, n);
+                    val_cpu
+                        .narrow(0, start, counts[j])
+                        .reshape([-1])
+                        .copy_data(&mut vv, n);
                     let iu: Vec<u32> = iv.into_iter().map(|x| x as u32).collect();
                     out[ti] = Some(TensorUpdate::from_entries(l, ke as usize, codec, &iu, &vv));
                     start += counts[j];
                 }
             }
         });
-        SparseUpdate { codec, tensors: out.into_iter().map(|t| t.expect("every tensor is in a group")).collect() }
+        SparseUpdate {
+            codec,
+            tensors: out
+                .into_iter()
+                .map(|t| t.expect("every tensor is in a group"))
+                .collect(),
+        }
     }
 
     /// `Σ_j v_j · Fh[:, b_j] ⊗ Fw[:, d_j]` per block, for flat indices `i = b·w + d`
     /// (`idx`, `vals`: `[blocks, m]`). With integer operands every partial sum is an integer
     /// bounded as in `protocol::sparse::exact`, so the f64 result is exact in any order.
-    fn sparse_inverse(fh: &Tensor, fw: &Tensor, idx: &Tensor, vals: &Tensor, h: i64, w: i64) -> Tensor {
+    fn sparse_inverse(
+        fh: &Tensor,
+        fw: &Tensor,
+        idx: &Tensor,
+        vals: &Tensor,
+        h: i64,
+        w: i64,
+    ) -> Tensor {
         let nb = idx.size()[0];
         let m = idx.size()[1];
         let flat = idx.reshape([-1]);
@@ -139,20 +184,42 @@ impl DctCodec {
         let budget = 256usize << 20;
         let per = (m.max(1) * (h + w) + h * w) * 8;
         let step = (budget / per).max(1);
-        (0..nb).step_by(step).map(|s| (s, step.min(nb - s))).collect()
+        (0..nb)
+            .step_by(step)
+            .map(|s| (s, step.min(nb - s)))
+            .collect()
     }
 
     /// Per group: padded `[blocks, m]` index and value tensors from a sparse aggregate, with
     /// values optionally quantized for the exact decode. Padding entries have value 0.
-    fn gather_group(&self, g: &Group, agg: &Aggregate, quantize: bool) -> (Vec<i64>, Vec<f64>, usize, usize) {
-        let m = g.tensors.iter().map(|&ti| agg.tensors[ti].max_nnz()).max().unwrap_or(0).max(1);
-        let nb: usize = g.tensors.iter().map(|&ti| self.layout.tensors[ti].blocks()).sum();
+    fn gather_group(
+        &self,
+        g: &Group,
+        agg: &Aggregate,
+        quantize: bool,
+    ) -> (Vec<i64>, Vec<f64>, usize, usize) {
+        let m = g
+            .tensors
+            .iter()
+            .map(|&ti| agg.tensors[ti].max_nnz())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let nb: usize = g
+            .tensors
+            .iter()
+            .map(|&ti| self.layout.tensors[ti].blocks())
+            .sum();
         let mut idx = vec![0i64; nb * m];
         let mut val = vec![0f64; nb * m];
         let mut row = 0;
         for &ti in &g.tensors {
             let t = &agg.tensors[ti];
-            let q = if quantize { sparse::quantize_blocks(t, g.h, g.w) } else { t.mean.clone() };
+            let q = if quantize {
+                sparse::quantize_blocks(t, g.h, g.w)
+            } else {
+                t.mean.clone()
+            };
             for b in 0..t.offsets.len() - 1 {
                 for (j, e) in (t.offsets[b] as usize..t.offsets[b + 1] as usize).enumerate() {
                     idx[row * m + j] = t.index[e] as i64;
@@ -171,16 +238,36 @@ impl DctCodec {
             for g in &self.groups {
                 let (idx, val, nb, m) = self.gather_group(g, agg, exact);
                 let (h, w) = (g.h as i64, g.w as i64);
-                let idx = Tensor::from_slice(&idx).view([nb as i64, m as i64]).to_device(self.device);
-                let val = Tensor::from_slice(&val).view([nb as i64, m as i64]).to_device(self.device);
-                let (fh, fw) = if exact { (g.fhq.tr().contiguous(), g.fwq.tr().contiguous()) } else {
-                    (g.fh.tr().contiguous().to_kind(Kind::Double), g.fw.tr().contiguous().to_kind(Kind::Double))
+                let idx = Tensor::from_slice(&idx)
+                    .view([nb as i64, m as i64])
+                    .to_device(self.device);
+                let val = Tensor::from_slice(&val)
+                    .view([nb as i64, m as i64])
+                    .to_device(self.device);
+                let (fh, fw) = if exact {
+                    (g.fhq.tr().contiguous(), g.fwq.tr().contiguous())
+                } else {
+                    (
+                        g.fh.tr().contiguous().to_kind(Kind::Double),
+                        g.fw.tr().contiguous().to_kind(Kind::Double),
+                    )
                 };
                 let parts: Vec<Tensor> = Self::slices(nb, m, g.h, g.w)
                     .into_iter()
                     .map(|(s, n)| {
-                        let d = Self::sparse_inverse(&fh, &fw, &idx.narrow(0, s as i64, n as i64), &val.narrow(0, s as i64, n as i64), h, w);
-                        if exact { d.sign().to_kind(Kind::Float) } else { d.to_kind(Kind::Float) }
+                        let d = Self::sparse_inverse(
+                            &fh,
+                            &fw,
+                            &idx.narrow(0, s as i64, n as i64),
+                            &val.narrow(0, s as i64, n as i64),
+                            h,
+                            w,
+                        );
+                        if exact {
+                            d.sign().to_kind(Kind::Float)
+                        } else {
+                            d.to_kind(Kind::Float)
+                        }
                     })
                     .collect();
                 let all = Tensor::cat(&parts, 0);
@@ -232,14 +319,20 @@ pub struct DemoState {
 
 impl DemoState {
     pub fn new(params: &[Tensor]) -> DemoState {
-        DemoState { delta: params.iter().map(|p| p.detach().zeros_like()).collect() }
+        DemoState {
+            delta: params.iter().map(|p| p.detach().zeros_like()).collect(),
+        }
     }
 
     /// `delta = β·delta + lr·grad`, with the gradient clipped to `clip` global norm first.
     /// Returns the gradient's norm before clipping.
     pub fn accumulate(&mut self, grads: &[Tensor], lr: f64, cfg: &OptimConfig) -> f64 {
         let norm = grad_norm(grads);
-        let scale = if cfg.grad_clip > 0.0 && norm > cfg.grad_clip { cfg.grad_clip / norm } else { 1.0 };
+        let scale = if cfg.grad_clip > 0.0 && norm > cfg.grad_clip {
+            cfg.grad_clip / norm
+        } else {
+            1.0
+        };
         tch::no_grad(|| {
             for (d, g) in self.delta.iter_mut().zip(grads) {
                 let _ = d.g_mul_scalar_(cfg.beta);
@@ -251,6 +344,9 @@ impl DemoState {
 }
 
 pub fn grad_norm(grads: &[Tensor]) -> f64 {
-    let s: f64 = grads.iter().map(|g| g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[])).sum();
+    let s: f64 = grads
+        .iter()
+        .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
+        .sum();
     s.sqrt()
 }

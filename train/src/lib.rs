@@ -42,13 +42,20 @@ pub fn parse_device(s: &str) -> Result<tch::Device, TrainError> {
             }
         }
         s if s.starts_with("cuda:") => {
-            let n: usize = s[5..].parse().map_err(|_| TrainError::Device(format!("bad device {s:?}")))?;
+            let n: usize = s[5..]
+                .parse()
+                .map_err(|_| TrainError::Device(format!("bad device {s:?}")))?;
             if n < tch::Cuda::device_count() as usize {
                 Ok(tch::Device::Cuda(n))
             } else {
-                Err(TrainError::Device(format!("{s}: only {} CUDA devices", tch::Cuda::device_count())))
+                Err(TrainError::Device(format!(
+                    "{s}: only {} CUDA devices",
+                    tch::Cuda::device_count()
+                )))
             }
         }
-        s => Err(TrainError::Device(format!("unknown device {s:?} (expected auto, cpu, cuda or cuda:N)"))),
+        s => Err(TrainError::Device(format!(
+            "unknown device {s:?} (expected auto, cpu, cuda or cuda:N)"
+        ))),
     }
 }

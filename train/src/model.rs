@@ -51,7 +51,11 @@ impl Llama {
             let init = if name.ends_with("norm.weight") {
                 Tensor::ones(&dims[..], (Kind::Float, Device::Cpu))
             } else {
-                let s = if name.ends_with("wo.weight") || name.ends_with("w2.weight") { out_std } else { std };
+                let s = if name.ends_with("wo.weight") || name.ends_with("w2.weight") {
+                    out_std
+                } else {
+                    std
+                };
                 Tensor::randn(&dims[..], (Kind::Float, Device::Cpu)) * s
             };
             let mut path = root.clone();
@@ -63,9 +67,21 @@ impl Llama {
             params.push(v);
             names.push(name.clone());
         }
-        let compute = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+        let compute = if device.is_cuda() {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        };
         let (rope_cos, rope_sin) = rope_tables(cfg, device);
-        Llama { cfg: cfg.clone(), vs, params, names, compute, rope_cos, rope_sin }
+        Llama {
+            cfg: cfg.clone(),
+            vs,
+            params,
+            names,
+            compute,
+            rope_cos,
+            rope_sin,
+        }
     }
 
     pub fn device(&self) -> Device {
@@ -89,7 +105,8 @@ impl Llama {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
-        x.to_kind(self.compute).matmul(&w.to_kind(self.compute).tr())
+        x.to_kind(self.compute)
+            .matmul(&w.to_kind(self.compute).tr())
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Tensor {
@@ -118,17 +135,35 @@ impl Llama {
             let ly = self.layer(l);
             let hn = self.rms_norm(&x, ly.attn_norm);
             let q = self.linear(&hn, ly.wq).view([b, t, h, hd]).transpose(1, 2);
-            let k = self.linear(&hn, ly.wk).view([b, t, kvh, hd]).transpose(1, 2);
-            let v = self.linear(&hn, ly.wv).view([b, t, kvh, hd]).transpose(1, 2);
+            let k = self
+                .linear(&hn, ly.wk)
+                .view([b, t, kvh, hd])
+                .transpose(1, 2);
+            let v = self
+                .linear(&hn, ly.wv)
+                .view([b, t, kvh, hd])
+                .transpose(1, 2);
             let (q, k) = (self.rope(&q, t), self.rope(&k, t));
             // Grouped-query attention: repeat each KV head over its group of query heads.
             let (k, v) = if kvh != h {
                 let rep = h / kvh;
-                (k.repeat_interleave_self_int(rep, 1, None), v.repeat_interleave_self_int(rep, 1, None))
+                (
+                    k.repeat_interleave_self_int(rep, 1, None),
+                    v.repeat_interleave_self_int(rep, 1, None),
+                )
             } else {
                 (k, v)
             };
-            let a = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+            let a = Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                None::<Tensor>,
+                0.0,
+                true,
+                None,
+                false,
+            );
             let a = a.transpose(1, 2).contiguous().view([b, t, h * hd]);
             x = x + self.linear(&a, ly.wo).to_kind(Kind::Float);
             let hn = self.rms_norm(&x, ly.ffn_norm);
@@ -136,14 +171,17 @@ impl Llama {
             x = x + self.linear(&g, ly.w2).to_kind(Kind::Float);
         }
         let x = self.rms_norm(&x, &self.params[self.params.len() - 2]);
-        self.linear(&x, &self.params[self.params.len() - 1]).to_kind(Kind::Float)
+        self.linear(&x, &self.params[self.params.len() - 1])
+            .to_kind(Kind::Float)
     }
 
     /// Mean next-token cross-entropy (nats) of `targets` given `inputs`.
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(inputs);
         let v = logits.size()[2];
-        logits.reshape([-1, v]).cross_entropy_for_logits(&targets.reshape([-1]))
+        logits
+            .reshape([-1, v])
+            .cross_entropy_for_logits(&targets.reshape([-1]))
     }
 
     pub fn zero_grad(&self) {
@@ -161,7 +199,11 @@ impl Llama {
             .iter()
             .map(|p| {
                 let g = p.grad();
-                if g.defined() { g.detach().copy() } else { p.zeros_like() }
+                if g.defined() {
+                    g.detach().copy()
+                } else {
+                    p.zeros_like()
+                }
             })
             .collect()
     }
@@ -193,9 +235,15 @@ impl Llama {
         let map: std::collections::BTreeMap<String, Tensor> = tensors.into_iter().collect();
         tch::no_grad(|| -> Result<(), crate::TrainError> {
             for (n, p) in self.names.iter().zip(self.params.iter_mut()) {
-                let t = map.get(n).ok_or_else(|| crate::TrainError::Checkpoint(format!("missing tensor {n}")))?;
+                let t = map
+                    .get(n)
+                    .ok_or_else(|| crate::TrainError::Checkpoint(format!("missing tensor {n}")))?;
                 if t.size() != p.size() {
-                    return Err(crate::TrainError::Checkpoint(format!("{n}: shape {:?}, expected {:?}", t.size(), p.size())));
+                    return Err(crate::TrainError::Checkpoint(format!(
+                        "{n}: shape {:?}, expected {:?}",
+                        t.size(),
+                        p.size()
+                    )));
                 }
                 p.copy_(&t.to_kind(Kind::Float));
             }
@@ -217,7 +265,11 @@ pub fn named_digest(names: &[String], params: &[Tensor]) -> [u8; 32] {
         .iter()
         .zip(params)
         .map(|(n, p)| {
-            let c = p.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
+            let c = p
+                .detach()
+                .to_device(Device::Cpu)
+                .to_kind(Kind::Float)
+                .contiguous();
             let len = c.numel();
             let mut buf = vec![0f32; len];
             c.view([-1]).copy_data(&mut buf, len);
@@ -242,7 +294,9 @@ pub fn param_digest(params: &[Tensor]) -> [u8; 32] {
 fn rope_tables(cfg: &ModelConfig, device: Device) -> (Tensor, Tensor) {
     let hd = cfg.head_dim() as i64;
     let half = hd / 2;
-    let inv: Vec<f32> = (0..half).map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32).collect();
+    let inv: Vec<f32> = (0..half)
+        .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
+        .collect();
     let inv = Tensor::from_slice(&inv);
     let pos = Tensor::arange(cfg.seq_len as i64, (Kind::Float, Device::Cpu));
     let ang = pos.unsqueeze(1) * inv.unsqueeze(0); // [T, half]

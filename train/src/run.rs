@@ -97,7 +97,11 @@ fn clip(grads: &mut [Tensor], max: f64) -> f64 {
     let n = grad_norm(grads);
     if max > 0.0 && n > max {
         let s = max / n;
-        tch::no_grad(|| grads.iter_mut().for_each(|g| { let _ = g.g_mul_scalar_(s); }));
+        tch::no_grad(|| {
+            grads.iter_mut().for_each(|g| {
+                let _ = g.g_mul_scalar_(s);
+            })
+        });
     }
     n
 }
@@ -114,10 +118,16 @@ pub fn train(
     mut on_step: impl FnMut(&StepRecord),
 ) -> Result<(Llama, Report), TrainError> {
     if opts.replicas == 0 || opts.steps == 0 || opts.batch == 0 {
-        return Err(TrainError::Config("replicas, steps and batch must be at least 1".into()));
+        return Err(TrainError::Config(
+            "replicas, steps and batch must be at least 1".into(),
+        ));
     }
     if (corpus.vocab() as u32) > opts.model.vocab {
-        return Err(TrainError::Config(format!("data vocabulary {} exceeds the model's {}", corpus.vocab(), opts.model.vocab)));
+        return Err(TrainError::Config(format!(
+            "data vocabulary {} exceeds the model's {}",
+            corpus.vocab(),
+            opts.model.vocab
+        )));
     }
     check_memory(opts, device)?;
     let start = Instant::now();
@@ -130,7 +140,10 @@ pub fn train(
     let mut update_bytes = None;
 
     enum Opt {
-        Demo { codec: DctCodec, states: Vec<DemoState> },
+        Demo {
+            codec: DctCodec,
+            states: Vec<DemoState>,
+        },
         Adam(AdamW),
     }
     let mut opt = match opts.optimizer {
@@ -142,7 +155,10 @@ pub fn train(
     };
     let ids: Vec<Vec<u8>> = (0..n).map(replica_id).collect();
     for step in 0..opts.steps {
-        let mut rec = StepRecord { step, ..Default::default() };
+        let mut rec = StepRecord {
+            step,
+            ..Default::default()
+        };
         match &mut opt {
             Opt::Demo { codec, states } => {
                 let lr = lr_at(step, o.lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
@@ -150,7 +166,15 @@ pub fn train(
                 let mut updates: Vec<SparseUpdate> = Vec::with_capacity(n);
                 for r in 0..n {
                     let t0 = Instant::now();
-                    let (x, y) = corpus.batch("train", opts.seed, &ids[r], step as u64, opts.batch, seq, device);
+                    let (x, y) = corpus.batch(
+                        "train",
+                        opts.seed,
+                        &ids[r],
+                        step as u64,
+                        opts.batch,
+                        seq,
+                        device,
+                    );
                     model.zero_grad();
                     let loss = model.loss(&x, &y);
                     loss.backward();
@@ -174,12 +198,26 @@ pub fn train(
                 rec.t_apply = t2.elapsed().as_secs_f64();
             }
             Opt::Adam(adam) => {
-                let lr = lr_at(step, opts.adamw_lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
+                let lr = lr_at(
+                    step,
+                    opts.adamw_lr,
+                    o.warmup_steps,
+                    opts.steps,
+                    o.min_lr_ratio,
+                );
                 rec.lr = lr;
                 let t0 = Instant::now();
                 model.zero_grad();
                 for r in 0..n {
-                    let (x, y) = corpus.batch("train", opts.seed, &ids[r], step as u64, opts.batch, seq, device);
+                    let (x, y) = corpus.batch(
+                        "train",
+                        opts.seed,
+                        &ids[r],
+                        step as u64,
+                        opts.batch,
+                        seq,
+                        device,
+                    );
                     let loss = model.loss(&x, &y);
                     // Backward of loss/N accumulates the exact mean gradient: all-reduce.
                     (&loss / n as f64).backward();
@@ -198,14 +236,26 @@ pub fn train(
             }
         }
         if opts.eval_every > 0 && (step % opts.eval_every == 0 || step + 1 == opts.steps) {
-            rec.eval_loss = Some(eval_loss(&model, corpus, opts.seed, opts.eval_batches, opts.batch));
+            rec.eval_loss = Some(eval_loss(
+                &model,
+                corpus,
+                opts.seed,
+                opts.eval_batches,
+                opts.batch,
+            ));
         }
         on_step(&rec);
         records.push(rec);
     }
     let final_eval_loss = match records.last().and_then(|r| r.eval_loss) {
         Some(l) => l,
-        None => eval_loss(&model, corpus, opts.seed, opts.eval_batches.max(1), opts.batch),
+        None => eval_loss(
+            &model,
+            corpus,
+            opts.seed,
+            opts.eval_batches.max(1),
+            opts.batch,
+        ),
     };
     let codec_fraction = match opts.optimizer {
         Optimizer::Demo => {

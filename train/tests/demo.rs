@@ -23,12 +23,20 @@ fn random(l: &Layout, seed: i64) -> Vec<Tensor> {
     tch::manual_seed(seed);
     l.tensors
         .iter()
-        .map(|t| Tensor::randn(t.shape.iter().map(|&x| x as i64).collect::<Vec<_>>(), (Kind::Float, Device::Cpu)))
+        .map(|t| {
+            Tensor::randn(
+                t.shape.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+                (Kind::Float, Device::Cpu),
+            )
+        })
         .collect()
 }
 
 fn max_abs_diff(a: &[Tensor], b: &[Tensor]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -45,7 +53,11 @@ fn keeping_every_coefficient_round_trips() {
     // …and decoding the one update gives the tensors back.
     let agg = sparse::aggregate(&l, &[&u]);
     let back = codec.decode_float(&agg);
-    assert!(max_abs_diff(&back, &orig) < 1e-4, "{}", max_abs_diff(&back, &orig));
+    assert!(
+        max_abs_diff(&back, &orig) < 1e-4,
+        "{}",
+        max_abs_diff(&back, &orig)
+    );
 }
 
 #[test]
@@ -53,7 +65,9 @@ fn topk_keeps_the_largest_coefficients() {
     // One 8×8 block whose DCT we know: put energy on chosen coefficients through the inverse.
     let l = Layout::from_shapes(&[("x".into(), vec![8, 8])], 64);
     let codec = DctCodec::new(l.clone(), Device::Cpu);
-    let f = Tensor::from_slice(&sparse::dct_basis(8)).view([8, 8]).to_kind(Kind::Float);
+    let f = Tensor::from_slice(&sparse::dct_basis(8))
+        .view([8, 8])
+        .to_kind(Kind::Float);
     let mut coef = vec![0.01f32; 64];
     coef[5] = 3.0;
     coef[17] = -5.0;
@@ -65,7 +79,11 @@ fn topk_keeps_the_largest_coefficients() {
     let u = codec.encode(&mut delta, 3, ValueCodec::F32);
     let (idx, vals) = u.tensors[0].entries(ValueCodec::F32);
     assert_eq!(idx, vec![5, 17, 40]);
-    assert!((vals[0] - 3.0).abs() < 1e-4 && (vals[1] + 5.0).abs() < 1e-4 && (vals[2] - 4.0).abs() < 1e-4);
+    assert!(
+        (vals[0] - 3.0).abs() < 1e-4
+            && (vals[1] + 5.0).abs() < 1e-4
+            && (vals[2] - 4.0).abs() < 1e-4
+    );
 }
 
 #[test]
@@ -77,10 +95,20 @@ fn decoupling_subtracts_exactly_what_is_sent() {
     let u = codec.encode(&mut delta, 4, ValueCodec::F32);
     let sent = codec.decode_float(&sparse::aggregate(&l, &[&u]));
     let removed: Vec<Tensor> = before.iter().zip(&delta).map(|(b, a)| b - a).collect();
-    assert!(max_abs_diff(&removed, &sent) < 1e-5, "{}", max_abs_diff(&removed, &sent));
+    assert!(
+        max_abs_diff(&removed, &sent) < 1e-5,
+        "{}",
+        max_abs_diff(&removed, &sent)
+    );
     // Energy only goes down.
-    let e0: f64 = before.iter().map(|t| t.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[])).sum();
-    let e1: f64 = delta.iter().map(|t| t.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[])).sum();
+    let e0: f64 = before
+        .iter()
+        .map(|t| t.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
+        .sum();
+    let e1: f64 = delta
+        .iter()
+        .map(|t| t.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
+        .sum();
     assert!(e1 < e0);
 }
 
@@ -103,17 +131,31 @@ fn exact_sign_matches_the_plain_rust_reference() {
     let signs = DctCodec::new(l.clone(), Device::Cpu).exact_sign(&agg);
     for (ti, t) in l.tensors.iter().enumerate() {
         let q = sparse::quantize_blocks(&agg.tensors[ti], t.h, t.w);
-        let dq = protocol::sparse::TensorAggregate { mean: q, ..agg.tensors[ti].clone() }.dense(t.block_elems());
-        let (fh, fw) = (sparse::dct_basis_quantized(t.h), sparse::dct_basis_quantized(t.w));
+        let dq = protocol::sparse::TensorAggregate {
+            mean: q,
+            ..agg.tensors[ti].clone()
+        }
+        .dense(t.block_elems());
+        let (fh, fw) = (
+            sparse::dct_basis_quantized(t.h),
+            sparse::dct_basis_quantized(t.w),
+        );
         // Expected signs, block by block, arranged back into the tensor's 2-D view.
         let mut want = vec![0f32; t.numel()];
         let bw = t.cols / t.w;
         for b in 0..t.blocks() {
-            let out = sparse::decode_block_exact(&dq[b * t.block_elems()..(b + 1) * t.block_elems()], &fh, &fw, t.h, t.w);
+            let out = sparse::decode_block_exact(
+                &dq[b * t.block_elems()..(b + 1) * t.block_elems()],
+                &fh,
+                &fw,
+                t.h,
+                t.w,
+            );
             let (br, bc) = (b / bw, b % bw);
             for j in 0..t.h {
                 for i in 0..t.w {
-                    want[(br * t.h + j) * t.cols + bc * t.w + i] = out[j * t.w + i].signum() as f32 * (out[j * t.w + i] != 0.0) as i32 as f32;
+                    want[(br * t.h + j) * t.cols + bc * t.w + i] =
+                        out[j * t.w + i].signum() as f32 * (out[j * t.w + i] != 0.0) as i32 as f32;
                 }
             }
         }
@@ -138,7 +180,12 @@ fn aggregation_is_bit_identical_across_orders_and_threads() {
             })
             .collect();
         let mut digests = Vec::new();
-        for (perm, threads) in [(vec![0, 1, 2, 3, 4, 5], 1), (vec![5, 3, 1, 0, 2, 4], 2), (vec![2, 4, 0, 5, 1, 3], 1), (vec![1, 0, 3, 2, 5, 4], 2)] {
+        for (perm, threads) in [
+            (vec![0, 1, 2, 3, 4, 5], 1),
+            (vec![5, 3, 1, 0, 2, 4], 2),
+            (vec![2, 4, 0, 5, 1, 3], 1),
+            (vec![1, 0, 3, 2, 5, 4], 2),
+        ] {
             tch::set_num_threads(threads);
             let m = Llama::new(&cfg, Device::Cpu, 7);
             let refs: Vec<&SparseUpdate> = perm.iter().map(|&i| &ups[i]).collect();
@@ -147,7 +194,10 @@ fn aggregation_is_bit_identical_across_orders_and_threads() {
             apply_sign_step(&m.params, &signs, 3e-3, 0.1);
             digests.push(param_digest(&m.params));
         }
-        assert!(digests.windows(2).all(|w| w[0] == w[1]), "{kind:?}: digests differ");
+        assert!(
+            digests.windows(2).all(|w| w[0] == w[1]),
+            "{kind:?}: digests differ"
+        );
         assert_ne!(digests[0], model.digest(), "the step changed nothing");
     }
 }
@@ -160,7 +210,12 @@ fn sign_values_aggregate_to_votes() {
     let agg = sparse::aggregate(&l, &refs);
     // Each coefficient's mean is a signed count over its count of senders.
     for &m in &agg.tensors[0].mean {
-        assert!([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0, 0.0, 0.5, -0.5].iter().any(|v| (v - m).abs() < 1e-12), "{m}");
+        assert!(
+            [-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0, 0.0, 0.5, -0.5]
+                .iter()
+                .any(|v| (v - m).abs() < 1e-12),
+            "{m}"
+        );
     }
 }
 

@@ -8,7 +8,12 @@ use train::run::{train, Optimizer, TrainOptions};
 
 fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
     // A small chain (256 contexts) so that a couple of minutes of CPU reach near the floor.
-    let corpus = Corpus::open(&DataSpec::Synthetic { seed: 1, vocab: 16, branch: 3 }).unwrap();
+    let corpus = Corpus::open(&DataSpec::Synthetic {
+        seed: 1,
+        vocab: 16,
+        branch: 3,
+    })
+    .unwrap();
     let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).unwrap();
     model.layers = 2;
     model.seq_len = 32;
@@ -19,7 +24,12 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
         steps,
         batch: 4,
         seed: 3,
-        optim: OptimConfig { lr: 3e-3, warmup_steps: 10, total_steps: steps, ..OptimConfig::default() },
+        optim: OptimConfig {
+            lr: 3e-3,
+            warmup_steps: 10,
+            total_steps: steps,
+            ..OptimConfig::default()
+        },
         adamw_lr: 3e-3,
         adamw_wd: 0.1,
         eval_every: 0,
@@ -39,7 +49,10 @@ fn check_learns(optimizer: Optimizer, fraction: f64) {
     let floor = report.loss_floor.unwrap();
     let end = report.final_eval_loss;
     eprintln!("{optimizer:?}: start {start:.3} end {end:.3} floor {floor:.3}");
-    assert!(end < start - fraction * (start - floor), "{optimizer:?}: {start} -> {end} (floor {floor})");
+    assert!(
+        end < start - fraction * (start - floor),
+        "{optimizer:?}: {start} -> {end} (floor {floor})"
+    );
     assert!(end > floor - 0.05, "below the floor? {end} < {floor}");
 }
 
@@ -65,12 +78,18 @@ fn demo_runs_are_reproducible() {
 #[test]
 fn markov_floor_is_consistent() {
     let m = MarkovChain::new(1, 64, 4);
-    assert!(m.entropy_rate > 0.3 && m.entropy_rate < (4f64).ln(), "{}", m.entropy_rate);
+    assert!(
+        m.entropy_rate > 0.3 && m.entropy_rate < (4f64).ln(),
+        "{}",
+        m.entropy_rate
+    );
     assert!(m.first_order_entropy > m.entropy_rate);
     // The empirical loss of the true conditional probabilities approaches the entropy rate.
     let mut rng = train::rng::Rng::new(9);
     let seqs: Vec<Vec<u32>> = (0..200).map(|_| m.sample(&mut rng, 200)).collect();
-    assert!(seqs.iter().all(|s| s.len() == 200 && s.iter().all(|&t| t < 64)));
+    assert!(seqs
+        .iter()
+        .all(|s| s.len() == 200 && s.iter().all(|&t| t < 64)));
 }
 
 #[test]
@@ -90,10 +109,16 @@ fn text_and_shards_load() {
     let text = "To be, or not to be, that is the question. ".repeat(100);
     let tp = dir.join("t.txt");
     std::fs::write(&tp, &text).unwrap();
-    let c = Corpus::open(&DataSpec::Text { path: tp.display().to_string(), tokenizer: None }).unwrap();
+    let c = Corpus::open(&DataSpec::Text {
+        path: tp.display().to_string(),
+        tokenizer: None,
+    })
+    .unwrap();
     assert_eq!(c.vocab(), 256);
     let s = c.sequences("train", 0, b"x", 0, 2, 10);
-    assert!(s.iter().all(|q| q.len() == 11 && q.iter().all(|&t| t < 128)));
+    assert!(s
+        .iter()
+        .all(|q| q.len() == 11 && q.iter().all(|&t| t < 128)));
     // A HuggingFace tokenizer.json (a word-level model, written by hand).
     let tok = dir.join("tokenizer.json");
     std::fs::write(
@@ -103,7 +128,11 @@ fn text_and_shards_load() {
             "model":{"type":"WordLevel","vocab":{"[UNK]":0,"To":1,"be":2,",":3,"or":4,"not":5,"to":6},"unk_token":"[UNK]"}}"#,
     )
     .unwrap();
-    let c = Corpus::open(&DataSpec::Text { path: tp.display().to_string(), tokenizer: Some(tok.display().to_string()) }).unwrap();
+    let c = Corpus::open(&DataSpec::Text {
+        path: tp.display().to_string(),
+        tokenizer: Some(tok.display().to_string()),
+    })
+    .unwrap();
     assert_eq!(c.vocab(), 7);
     let s = c.sequences("train", 0, b"x", 0, 4, 12);
     assert!(s.iter().flatten().all(|&t| t < 7));
@@ -111,13 +140,20 @@ fn text_and_shards_load() {
     for width in [16u32, 32] {
         let toks: Vec<u32> = (0..5000u32).map(|i| (i * 7) % 1000).collect();
         let bytes: Vec<u8> = if width == 16 {
-            toks.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect()
+            toks.iter()
+                .flat_map(|&t| (t as u16).to_le_bytes())
+                .collect()
         } else {
             toks.iter().flat_map(|&t| t.to_le_bytes()).collect()
         };
         let p = dir.join(format!("s.u{width}"));
         std::fs::write(&p, bytes).unwrap();
-        let c = Corpus::open(&DataSpec::Shard { path: p.display().to_string(), width, vocab: 0 }).unwrap();
+        let c = Corpus::open(&DataSpec::Shard {
+            path: p.display().to_string(),
+            width,
+            vocab: 0,
+        })
+        .unwrap();
         assert_eq!(c.vocab(), 1000);
         let s = c.sequences("eval", 0, b"x", 0, 1, 8);
         // Consecutive tokens of the stream: each is the previous + 7 (mod 1000).

@@ -29,8 +29,13 @@ pub fn dct_basis(n: usize) -> Vec<f64> {
     let mut f = vec![0.0; n * n];
     for j in 0..n {
         for b in 0..n {
-            let c = if b == 0 { (1.0 / n as f64).sqrt() } else { (2.0 / n as f64).sqrt() };
-            f[j * n + b] = c * (std::f64::consts::PI * (2 * j + 1) as f64 * b as f64 / (2 * n) as f64).cos();
+            let c = if b == 0 {
+                (1.0 / n as f64).sqrt()
+            } else {
+                (2.0 / n as f64).sqrt()
+            };
+            f[j * n + b] =
+                c * (std::f64::consts::PI * (2 * j + 1) as f64 * b as f64 / (2 * n) as f64).cos();
         }
     }
     f
@@ -39,7 +44,10 @@ pub fn dct_basis(n: usize) -> Vec<f64> {
 /// `round(F·2^BASIS_BITS)`: small integers, held in f64 for the exact matmul.
 pub fn dct_basis_quantized(n: usize) -> Vec<f64> {
     let scale = (1u64 << BASIS_BITS) as f64;
-    dct_basis(n).into_iter().map(|x| (x * scale).round_ties_even()).collect()
+    dct_basis(n)
+        .into_iter()
+        .map(|x| (x * scale).round_ties_even())
+        .collect()
 }
 
 /// Bits `A` of the quantized coefficients for an `h × w` block (see the module docs).
@@ -64,7 +72,11 @@ pub struct TensorAggregate {
 impl TensorAggregate {
     /// Most coefficients any block holds.
     pub fn max_nnz(&self) -> usize {
-        self.offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0)
+        self.offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Dense block-major means (`[blocks][elems]`), zero where nobody kept a coefficient.
@@ -118,7 +130,12 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
         for b in 0..blocks {
             scratch.clear();
             for (idx, vals, k) in &entries {
-                scratch.extend(idx[b * k..(b + 1) * k].iter().copied().zip(vals[b * k..(b + 1) * k].iter().copied()));
+                scratch.extend(
+                    idx[b * k..(b + 1) * k]
+                        .iter()
+                        .copied()
+                        .zip(vals[b * k..(b + 1) * k].iter().copied()),
+                );
             }
             // Stable: equal indices keep the canonical update order, so float sums are fixed.
             scratch.sort_by_key(|e| e.0);
@@ -137,9 +154,16 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
             }
             offsets.push(index.len() as u32);
         }
-        tensors.push(TensorAggregate { offsets, index, mean });
+        tensors.push(TensorAggregate {
+            offsets,
+            index,
+            mean,
+        });
     }
-    Aggregate { tensors, count: updates.len() }
+    Aggregate {
+        tensors,
+        count: updates.len(),
+    }
 }
 
 /// Exponent `e` with `2^e ≥ x` for finite `x > 0` (from the bits, so it is exact everywhere).
@@ -151,7 +175,11 @@ fn ceil_exp2(x: f64) -> i32 {
         return -1074; // subnormal: any tiny exponent works, 2^-1074 ≤ x ≤ 2^-1022
     }
     let e = exp - 1023; // x = 1.m · 2^e
-    if mant == 0 { e } else { e + 1 }
+    if mant == 0 {
+        e
+    } else {
+        e + 1
+    }
 }
 
 /// Quantize one tensor's aggregated means to integers for the exact decode: per block,
@@ -245,8 +273,14 @@ mod tests {
     fn bound_keeps_every_partial_sum_exact() {
         for (h, w) in [(64usize, 64usize), (1, 64), (29, 64), (1, 1), (128, 128)] {
             let a = coef_bits(h, w);
-            let qh: f64 = dct_basis_quantized(h).chunks(h).map(|r| r.iter().map(|x| x.abs()).sum::<f64>()).fold(0.0, f64::max);
-            let qw: f64 = dct_basis_quantized(w).chunks(w).map(|r| r.iter().map(|x| x.abs()).sum::<f64>()).fold(0.0, f64::max);
+            let qh: f64 = dct_basis_quantized(h)
+                .chunks(h)
+                .map(|r| r.iter().map(|x| x.abs()).sum::<f64>())
+                .fold(0.0, f64::max);
+            let qw: f64 = dct_basis_quantized(w)
+                .chunks(w)
+                .map(|r| r.iter().map(|x| x.abs()).sum::<f64>())
+                .fold(0.0, f64::max);
             let bound = qh * qw * 2f64.powi(a as i32);
             assert!(bound < 2f64.powi(53), "({h},{w}) A={a}: {bound}");
             assert!(a >= 16, "({h},{w}) leaves only {a} bits");
@@ -264,7 +298,10 @@ mod tests {
         let u1 = mk(&[0, 3], &[1.0, 2.0]);
         let u2 = mk(&[3, 5], &[4.0, -1.0]);
         let a = aggregate(&l, &[&u1, &u2]);
-        assert_eq!(a.tensors[0].dense(8), vec![1.0, 0.0, 0.0, 3.0, 0.0, -1.0, 0.0, 0.0]);
+        assert_eq!(
+            a.tensors[0].dense(8),
+            vec![1.0, 0.0, 0.0, 3.0, 0.0, -1.0, 0.0, 0.0]
+        );
         assert_eq!(a.tensors[0].index, vec![0, 3, 5]);
         let b = aggregate(&l, &[&u2, &u1]);
         assert_eq!(a, b);
@@ -276,15 +313,25 @@ mod tests {
         let mut x = 12345u64;
         let y: Vec<f64> = (0..h * w)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((x >> 11) as f64 / (1u64 << 53) as f64) - 0.5
             })
             .collect();
-        let agg = TensorAggregate { offsets: vec![0, (h * w) as u32], index: (0..(h * w) as u32).collect(), mean: y.clone() };
+        let agg = TensorAggregate {
+            offsets: vec![0, (h * w) as u32],
+            index: (0..(h * w) as u32).collect(),
+            mean: y.clone(),
+        };
         let yq = quantize_blocks(&agg, h, w);
         let out = decode_block_exact(&yq, &dct_basis_quantized(h), &dct_basis_quantized(w), h, w);
         let float = decode_block_exact(&y, &dct_basis(h), &dct_basis(w), h, w);
-        let agree = out.iter().zip(&float).filter(|(a, b)| a.signum() == b.signum()).count();
+        let agree = out
+            .iter()
+            .zip(&float)
+            .filter(|(a, b)| a.signum() == b.signum())
+            .count();
         assert!(agree >= h * w - 1, "{agree} of {}", h * w);
         assert!(out.iter().all(|v| v.fract() == 0.0));
     }

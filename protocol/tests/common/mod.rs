@@ -82,10 +82,15 @@ pub fn make_update(run: &RunConfig, seed: u64) -> SparseUpdate {
             let mut idx = Vec::new();
             let mut vals = Vec::new();
             for b in 0..t.blocks() {
-                let start = (mix(seed ^ (ti as u64) << 32 ^ b as u64) % (elems - ke + 1) as u64) as u32;
+                let start =
+                    (mix(seed ^ (ti as u64) << 32 ^ b as u64) % (elems - ke + 1) as u64) as u32;
                 for j in 0..ke as u32 {
                     idx.push(start + j);
-                    vals.push(if mix(seed + j as u64) & 1 == 0 { 1.0 } else { -1.0 });
+                    vals.push(if mix(seed + j as u64) & 1 == 0 {
+                        1.0
+                    } else {
+                        -1.0
+                    });
                 }
             }
             TensorUpdate::from_entries(t, ke, run.optim.values, &idx, &vals)
@@ -292,7 +297,10 @@ impl Sim {
                         let (v, d) = (self.nodes[j].version, self.nodes[j].digest);
                         self.nodes[me].version = v;
                         self.nodes[me].digest = d;
-                        Event::CheckpointLoaded { version: v, digest: d }
+                        Event::CheckpointLoaded {
+                            version: v,
+                            digest: d,
+                        }
                     }
                     None => Event::CheckpointFailed,
                 };
@@ -301,7 +309,15 @@ impl Sim {
             Action::StartStep { step, .. } if self.nodes[me].trains => {
                 let seed = (me as u64) << 32 | step;
                 let blob = make_update(&self.run, seed).encode();
-                self.push(now + self.train_ms, me, Event::LocalUpdate { step, blob, tokens: 32 });
+                self.push(
+                    now + self.train_ms,
+                    me,
+                    Event::LocalUpdate {
+                        step,
+                        blob,
+                        tokens: 32,
+                    },
+                );
             }
             Action::Apply { step, updates } => {
                 let n = &mut self.nodes[me];
