@@ -19,13 +19,8 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
     Encode {
         #[arg(long)]
         input: PathBuf,
-        #[arg(long, default_value_t = 64)]
-        chunk: u32,
-        #[arg(long, default_value_t = 4)]
-        topk: u32,
-        /// sign (1 bit), bf16 or f32.
-        #[arg(long, default_value = "sign")]
-        values: ValueCodec,
+        #[command(flatten)]
+        knobs: Knobs,
         #[arg(long)]
         output: PathBuf,
     },
@@ -49,16 +44,26 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
         /// Vocabulary for tiny/small (1.2b uses 32000).
         #[arg(long, default_value_t = 256)]
         vocab: u32,
-        #[arg(long, default_value_t = 64)]
-        chunk: u32,
-        #[arg(long, default_value_t = 4)]
-        topk: u32,
-        #[arg(long, default_value = "sign")]
-        values: ValueCodec,
+        #[command(flatten)]
+        knobs: Knobs,
         /// Peers in the comparison (the DisTrO report used 32).
         #[arg(long, default_value_t = 32)]
         peers: u64,
     },
+}
+
+/// The codec's settings, shared by `encode` and `size`.
+#[derive(clap::Args, Debug)]
+pub struct Knobs {
+    /// Target chunk length per dimension.
+    #[arg(long, default_value_t = 64)]
+    chunk: u32,
+    /// Coefficients kept per chunk.
+    #[arg(long, default_value_t = 4)]
+    topk: u32,
+    /// sign (1 bit), bf16 or f32.
+    #[arg(long, default_value = "sign")]
+    values: ValueCodec,
 }
 
 /// File format of `codec encode`: tensor names plus the wire blob.
@@ -82,9 +87,12 @@ pub fn run(c: CodecCmd) -> Result<()> {
     match c {
         CodecCmd::Encode {
             input,
-            chunk,
-            topk,
-            values,
+            knobs:
+                Knobs {
+                    chunk,
+                    topk,
+                    values,
+                },
             output,
         } => {
             let mut tensors = Tensor::read_safetensors(&input)
@@ -178,9 +186,12 @@ pub fn run(c: CodecCmd) -> Result<()> {
         CodecCmd::Size {
             model,
             vocab,
-            chunk,
-            topk,
-            values,
+            knobs:
+                Knobs {
+                    chunk,
+                    topk,
+                    values,
+                },
             peers,
         } => {
             let Some(m) = ModelConfig::named(&model, vocab) else {

@@ -48,14 +48,7 @@ pub struct TensorLayout {
 
 impl TensorLayout {
     pub fn new(name: &str, shape: &[u32], s: usize) -> TensorLayout {
-        let (rows, cols) = match shape.len() {
-            0 => (1, 1),
-            1 => (1, shape[0] as usize),
-            _ => (
-                shape[0] as usize,
-                shape[1..].iter().map(|&x| x as usize).product(),
-            ),
-        };
+        let (rows, cols) = view(shape);
         // A 1-D tensor is chunked along its only axis: its "row" axis has length 1.
         let h = chunk_len(rows, s);
         let w = chunk_len(cols, s);
@@ -368,6 +361,7 @@ impl TensorUpdate {
     }
 }
 
+/// The 2-D view of a tensor: `[d0, d1·d2·…]`, a 1-D tensor as `[1, n]`, a scalar as `[1, 1]`.
 fn view(shape: &[u32]) -> (usize, usize) {
     match shape.len() {
         0 => (1, 1),

@@ -20,8 +20,9 @@ struct Group {
     /// Transposed bases (rows = frequencies), for gathering one basis vector per coefficient.
     fht: Tensor,
     fwt: Tensor,
-    fhq: Tensor,
-    fwq: Tensor,
+    /// Quantized bases, transposed like `fht`/`fwt`, for the exact decode.
+    fhqt: Tensor,
+    fwqt: Tensor,
 }
 
 /// The DCT codec for one model layout on one device.
@@ -78,8 +79,8 @@ impl DctCodec {
                 fw: basis(t.w, false, device),
                 fht: basis(t.h, false, device).tr().contiguous(),
                 fwt: basis(t.w, false, device).tr().contiguous(),
-                fhq: basis(t.h, true, device),
-                fwq: basis(t.w, true, device),
+                fhqt: basis(t.h, true, device).tr().contiguous(),
+                fwqt: basis(t.w, true, device).tr().contiguous(),
             });
         }
         DctCodec {
@@ -231,7 +232,7 @@ impl DctCodec {
         (idx, val, nb, m)
     }
 
-    /// Decode a group's aggregate (float or exact) into per-tensor outputs via `finish`.
+    /// Decode every group's aggregate, in float or exactly (then its sign), into per-tensor outputs.
     fn decode_groups(&self, agg: &Aggregate, exact: bool) -> Vec<Tensor> {
         let mut out: Vec<Option<Tensor>> = (0..self.layout.tensors.len()).map(|_| None).collect();
         tch::no_grad(|| {
@@ -245,12 +246,9 @@ impl DctCodec {
                     .view([nb as i64, m as i64])
                     .to_device(self.device);
                 let (fh, fw) = if exact {
-                    (g.fhq.tr().contiguous(), g.fwq.tr().contiguous())
+                    (g.fhqt.shallow_clone(), g.fwqt.shallow_clone())
                 } else {
-                    (
-                        g.fh.tr().contiguous().to_kind(Kind::Double),
-                        g.fw.tr().contiguous().to_kind(Kind::Double),
-                    )
+                    (g.fht.to_kind(Kind::Double), g.fwt.to_kind(Kind::Double))
                 };
                 let parts: Vec<Tensor> = Self::slices(nb, m, g.h, g.w)
                     .into_iter()
