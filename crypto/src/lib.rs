@@ -468,6 +468,49 @@ impl Identity {
     }
 }
 
+/// Identity proof of work: a Sybil must pay for each fresh key it brings into a run.
+///
+/// `blake3("swarm-pow-v1" ‖ run ‖ node ‖ u64le(nonce))` must start with `bits` zero bits. The
+/// puzzle binds the key and the run, so work done for one identity or one run buys nothing in
+/// another; checking costs one hash, solving `2^bits` on average.
+pub mod pow {
+    use super::NodeId;
+
+    fn hash(run: &[u8; 32], node: &NodeId, nonce: u64) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(b"swarm-pow-v1");
+        h.update(run);
+        h.update(&node.0);
+        h.update(&nonce.to_le_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// Leading zero bits of a hash.
+    pub fn zero_bits(h: &[u8; 32]) -> u32 {
+        let mut n = 0;
+        for b in h {
+            if *b == 0 {
+                n += 8;
+            } else {
+                return n + b.leading_zeros();
+            }
+        }
+        n
+    }
+
+    /// Whether `nonce` proves `bits` of work for `node` in `run` (always true for 0 bits).
+    pub fn check(run: &[u8; 32], node: &NodeId, nonce: u64, bits: u32) -> bool {
+        bits == 0 || zero_bits(&hash(run, node, nonce)) >= bits
+    }
+
+    /// The first nonce from 0 that proves `bits` of work (expected `2^bits` hashes).
+    pub fn solve(run: &[u8; 32], node: &NodeId, bits: u32) -> u64 {
+        (0u64..)
+            .find(|&n| check(run, node, n, bits))
+            .expect("some nonce below 2^64 works")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -633,5 +676,31 @@ mod tests {
 
     fn serde_bytes_like(b: &[u8]) -> serde_cbor::Value {
         serde_cbor::Value::Bytes(b.to_vec())
+    }
+
+    #[test]
+    fn pow_binds_key_and_run() {
+        let run = [3u8; 32];
+        let a = Identity::from_seed([1; 32]).node_id();
+        let n = pow::solve(&run, &a, 10);
+        assert!(pow::check(&run, &a, n, 10));
+        assert!(pow::check(&run, &a, 12345, 0));
+        // The nonce proves nothing for other keys or another run (each passes with 2^-10).
+        let other_keys = (0..1000u32)
+            .filter(|i| {
+                let mut s = [9u8; 32];
+                s[..4].copy_from_slice(&i.to_le_bytes());
+                pow::check(&run, &Identity::from_seed(s).node_id(), n, 10)
+            })
+            .count();
+        assert!(other_keys < 10, "{other_keys}");
+        let other_runs = (0..1000u32)
+            .filter(|i| {
+                let mut r = [7u8; 32];
+                r[..4].copy_from_slice(&i.to_le_bytes());
+                pow::check(&r, &a, n, 10)
+            })
+            .count();
+        assert!(other_runs < 10, "{other_runs}");
     }
 }

@@ -71,6 +71,10 @@ pub struct TrainArgs {
     /// Gradient clipping (global L2 norm; 0 = off).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
+    /// How the replicas' updates are combined: mean (the DeMo reference: per coefficient, the
+    /// mean over those who kept it) or share (bounded influence: weighted by tokens over all).
+    #[arg(long, value_enum, default_value = "mean")]
+    combine: CombineArg,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// auto (CUDA when present), cpu, cuda or cuda:N.
@@ -171,6 +175,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
             total_steps: a.steps,
             min_lr_ratio: 0.1,
             grad_clip: a.clip,
+            combine: match a.combine {
+                CombineArg::Mean => protocol::config::Combine::Mean,
+                CombineArg::Share => protocol::config::Combine::Share,
+            },
         },
         adamw_lr: a.adamw_lr,
         adamw_wd: a.adamw_wd,
@@ -265,4 +273,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum CombineArg {
+    Mean,
+    Share,
 }

@@ -110,6 +110,7 @@ fn main() {
             tokens: 4 * 2048,
             base_version: 12344,
             base_digest: Digest([7; 32]),
+            pow: 0,
         };
         let s = Signed::sign(h, &id);
         sign_t.push(t0.elapsed().as_secs_f64());

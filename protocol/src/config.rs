@@ -133,6 +133,27 @@ impl ModelConfig {
     }
 }
 
+/// How a round's updates are combined per DCT coefficient before the inverse DCT and the sign.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Combine {
+    /// The DeMo reference: per coefficient, the mean over the updates that kept it. A
+    /// coefficient only one sender kept gets that sender's full value, whatever the others did.
+    #[default]
+    Mean,
+    /// Bounded influence: per coefficient `Σ wᵢ·vᵢ / Σ wᵢ` over **every** included update
+    /// (weights from the tokens each header states, capped at the run's nominal batch), with
+    /// float values first clipped to the round's median norm. One update of N moves any
+    /// coefficient by at most its weight share; see `sparse::exact::aggregate_round`.
+    Share,
+}
+
+impl Combine {
+    pub fn is_mean(&self) -> bool {
+        *self == Combine::Mean
+    }
+}
+
 /// DeMo hyperparameters (defaults as in the reference code, k as in Psyche).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimConfig {
@@ -153,6 +174,9 @@ pub struct OptimConfig {
     pub min_lr_ratio: f64,
     /// Clip each node's gradient to this global L2 norm (0 = off).
     pub grad_clip: f64,
+    /// How updates are combined (absent = `mean`, so older run configs keep their run id).
+    #[serde(default, skip_serializing_if = "Combine::is_mean")]
+    pub combine: Combine,
 }
 
 impl Default for OptimConfig {
@@ -168,6 +192,7 @@ impl Default for OptimConfig {
             total_steps: 25_000,
             min_lr_ratio: 0.1,
             grad_clip: 1.0,
+            combine: Combine::Mean,
         }
     }
 }

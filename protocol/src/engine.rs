@@ -88,6 +88,19 @@ pub enum Event {
         digest: Digest,
     },
     CheckpointFailed,
+    /// The answer to [`Action::SpotCheck`]: `gain` is the loss on the sender's own batch before
+    /// minus after applying that update alone (positive: it helped).
+    SpotChecked {
+        step: u64,
+        sender: NodeId,
+        blob: ContentId,
+        gain: f64,
+    },
+    /// `from` served a checkpoint (manifest) whose digest does not match what the swarm
+    /// attests for its version: a liar, banned.
+    BadCheckpoint {
+        from: NodeId,
+    },
 }
 
 /// gossipsub-style validation result for a tagged message.
@@ -159,6 +172,20 @@ pub enum Report {
         version: u64,
         digest: Digest,
     },
+    /// A spot check's outcome and the peer's reputation afterwards.
+    SpotResult {
+        sender: NodeId,
+        step: u64,
+        gain: f64,
+        reputation: i32,
+    },
+    /// The later of two near-identical updates of one step was taken for a copy.
+    CopySuspected {
+        sender: NodeId,
+        of: NodeId,
+        step: u64,
+        overlap_permille: u32,
+    },
 }
 
 /// Something for the shell to do.
@@ -209,6 +236,16 @@ pub enum Action {
         peer: NodeId,
         reason: WireError,
     },
+    /// Evaluate this peer's update alone: the loss on the sender's recomputable batch for
+    /// `step` before and after applying `bytes` as a sign step to the current parameters;
+    /// answer [`Event::SpotChecked`]. Sampled per step (see `Defence::spot_checks`).
+    SpotCheck {
+        step: u64,
+        sender: NodeId,
+        blob: ContentId,
+        tokens: u64,
+        bytes: Blob,
+    },
     /// Call `handle(Event::Timer, at)` at `at`.
     SetTimer {
         at: u64,
@@ -231,6 +268,13 @@ pub struct Metrics {
     pub steps_applied: u64,
     pub updates_applied: u64,
     pub desyncs: u64,
+    pub spot_checks: u64,
+    pub spot_failures: u64,
+    pub copies: u64,
+    /// Updates this node held but left out of its summary (condemned, copies, probation).
+    pub withheld: u64,
+    /// Updates listed by some summary but left out by the majority rule.
+    pub outvoted: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -248,6 +292,10 @@ struct Entry {
     header: Signed<UpdateHeader>,
     blob: Option<Arc<[u8]>>,
     invalid: bool,
+    /// A sample of the update's kept (coefficient, sign) keys, for copy detection.
+    sketch: Vec<u64>,
+    /// Taken for a copy of an earlier update of this step.
+    copy: bool,
 }
 
 #[derive(Default)]
@@ -279,7 +327,21 @@ struct Peer {
     banned: bool,
     connected: bool,
     capabilities: u64,
+    /// Local reputation from spot checks and copy detection (see `SECURITY.md`): +1 per
+    /// passed check up to `REP_MAX`, −`REP_FAIL` per failure; at or below `REP_OFFENDER`
+    /// this node leaves the peer's updates out of its summaries.
+    rep: i32,
+    checks: u32,
+    passed: u32,
+    /// The step in which this peer's first header or summary was accepted.
+    first_step: Option<u64>,
 }
+
+const REP_MAX: i32 = 8;
+const REP_FAIL: i32 = 3;
+const REP_OFFENDER: i32 = -3;
+/// Keys kept per update for copy detection (a consistent hash sample of its kept entries).
+const SKETCH_KEYS: u64 = 1024;
 
 /// The per-node protocol state machine. See the module docs.
 pub struct Engine {
@@ -310,6 +372,8 @@ pub struct Engine {
     timer: Option<u64>,
     rng: u64,
     metrics: Metrics,
+    /// This identity's proof of work for the run (0 when the run requires none).
+    pow: u64,
 }
 
 /// Where an engine stands.
@@ -381,6 +445,7 @@ impl Engine {
             // seeded alike still spread their fetches.
             rng: rng_seed ^ u64::from_le_bytes(me_id.0[..8].try_into().expect("8 bytes")),
             metrics: Metrics::default(),
+            pow: crypto::pow::solve(&run_id.0, &me_id, run.defence.pow_bits),
             run,
         }
     }
@@ -507,6 +572,18 @@ impl Engine {
                 }
             }
             Event::CheckpointFailed => {
+                if let SyncState::Joining { requested, .. } = &mut self.sync {
+                    *requested = None;
+                }
+            }
+            Event::SpotChecked {
+                step,
+                sender,
+                blob: _,
+                gain,
+            } => self.on_spot(step, sender, gain, &mut out),
+            Event::BadCheckpoint { from } => {
+                self.blame(from, WireError::FalseCheckpoint, &mut out);
                 if let SyncState::Joining { requested, .. } = &mut self.sync {
                     *requested = None;
                 }
@@ -806,6 +883,7 @@ impl Engine {
             self.metrics.early += 1;
         }
         self.by_blob.insert(h.blob, (step, sender));
+        self.seen(sender, step);
         let st = self.steps.entry(step).or_default();
         st.headers.insert(
             sender,
@@ -813,6 +891,8 @@ impl Engine {
                 header,
                 blob: None,
                 invalid: false,
+                sketch: Vec::new(),
+                copy: false,
             },
         );
         Ok(true)
@@ -841,9 +921,13 @@ impl Engine {
             return ok;
         }
         match self.rules.check_blob(&e.header.body, &blob) {
-            Ok(_) => {
+            Ok(u) => {
                 e.blob = Some(blob.into());
+                if self.run.defence.copy_overlap_permille > 0 {
+                    e.sketch = sketch(&u);
+                }
                 self.resolve_want(id, Verdict::Accept, out);
+                self.detect_copy(step, sender, out);
                 true
             }
             Err(err) => {
@@ -892,6 +976,14 @@ impl Engine {
                 return Err((WireError::Duplicate, Verdict::Ignore));
             }
             s.verify().map_err(|e| (e, Verdict::Reject))?;
+            if !crypto::pow::check(
+                &self.run_id.0,
+                &sender,
+                s.body.pow,
+                self.run.defence.pow_bits,
+            ) {
+                return Err((WireError::NoWork, Verdict::Reject));
+            }
             let max = self.run.limits.max_updates_per_step as usize;
             let st = self.steps.entry(step).or_default();
             if st.summaries.contains_key(&sender) {
@@ -913,6 +1005,7 @@ impl Engine {
             return self.blame(from, e, out);
         }
         Self::verdict(tag, Verdict::Accept, out);
+        self.seen(sender, step);
         self.add_attest(s.body.params_version, sender, s.body.params_digest, now);
         for id in &s.body.updates {
             let held = self
@@ -1165,14 +1258,16 @@ impl Engine {
             tokens,
             base_version: self.version,
             base_digest: self.digest,
+            pow: self.pow,
         };
-        if let Err(e) = self
+        let sketch = match self
             .rules
             .check_header(&header)
-            .and_then(|_| self.rules.check_blob(&header, &blob).map(|_| ()))
+            .and_then(|_| self.rules.check_blob(&header, &blob))
         {
-            return refuse(e, out);
-        }
+            Ok(u) => sketch(&u),
+            Err(e) => return refuse(e, out),
+        };
         let signed = Signed::sign(header, &self.me);
         let inline = blob.len() <= self.run.limits.inline_blob_bytes as usize;
         let frame = Message::Announce {
@@ -1187,6 +1282,8 @@ impl Engine {
                 header: signed,
                 blob: Some(blob.into()),
                 invalid: false,
+                sketch,
+                copy: false,
             },
         );
         out.push(Action::Publish { bytes: frame });
@@ -1328,6 +1425,201 @@ impl Engine {
     }
 
     // -----------------------------------------------------------------------------------------
+    // content defences: reputation, spot checks, copies, probation
+
+    /// Note the first step in which `peer` was heard from (for probation).
+    fn seen(&mut self, peer: NodeId, step: u64) {
+        if let Some(p) = self.peer_mut(peer) {
+            if p.first_step.is_none_or(|f| step < f) {
+                p.first_step = Some(step);
+            }
+        }
+    }
+
+    /// Whether `peer` is on probation here: first heard from more than `probation_steps`
+    /// after this node synced (nodes present from the start vouch for each other), and not
+    /// yet past a spot check.
+    fn on_probation(&self, peer: &NodeId) -> bool {
+        let d = &self.run.defence;
+        if d.probation_steps == 0 || *peer == self.me_id {
+            return false;
+        }
+        let start = self.run.timing.step_at(self.synced_at);
+        self.peers.get(peer).is_none_or(|p| {
+            p.passed == 0
+                && p.first_step
+                    .is_none_or(|f| f > start + d.probation_steps as u64)
+        })
+    }
+
+    /// Whether this node lists `sender`'s update of `step` in its summary.
+    fn listable(&self, sender: NodeId, copy: bool, _step: u64) -> bool {
+        if sender == self.me_id {
+            return true;
+        }
+        if copy {
+            return false;
+        }
+        if self
+            .peers
+            .get(&sender)
+            .is_some_and(|p| p.rep <= REP_OFFENDER)
+        {
+            return false;
+        }
+        !self.on_probation(&sender)
+    }
+
+    /// Sample up to `spot_checks` of the step's updates from others: peers on probation first,
+    /// then the least checked (ties broken by the seeded generator), so every peer is checked
+    /// regularly and newcomers quickly.
+    fn spot_checks(
+        &mut self,
+        step: u64,
+        held: &[(NodeId, ContentId, bool)],
+        out: &mut Vec<Action>,
+    ) {
+        let c = self.run.defence.spot_checks as usize;
+        if c == 0 {
+            return;
+        }
+        let mut cand: Vec<(bool, u32, u64, NodeId, ContentId)> = Vec::new();
+        for &(snd, id, _) in held {
+            if snd == self.me_id {
+                continue;
+            }
+            let checks = self.peers.get(&snd).map_or(0, |p| p.checks);
+            let r = self.next_rand();
+            cand.push((!self.on_probation(&snd), checks, r, snd, id));
+        }
+        cand.sort();
+        for &(_, _, _, snd, id) in cand.iter().take(c) {
+            let Some((b, tokens)) = self
+                .steps
+                .get(&step)
+                .and_then(|s| s.headers.get(&snd))
+                .and_then(|e| Some((e.blob.clone()?, e.header.body.tokens)))
+            else {
+                continue;
+            };
+            self.metrics.spot_checks += 1;
+            if let Some(p) = self.peer_mut(snd) {
+                p.checks += 1;
+            }
+            out.push(Action::SpotCheck {
+                step,
+                sender: snd,
+                blob: id,
+                tokens,
+                bytes: Blob(b),
+            });
+        }
+    }
+
+    fn on_spot(&mut self, step: u64, sender: NodeId, gain: f64, out: &mut Vec<Action>) {
+        if sender == self.me_id {
+            return;
+        }
+        // Helped on its own data: earned. Otherwise (no better, or worse, or not a number) a
+        // strike; a persistent offender's strikes add up to a ban through the penalty score.
+        let ok = gain > 0.0;
+        let rep = match self.peer_mut(sender) {
+            Some(p) => {
+                if ok {
+                    p.passed += 1;
+                    p.rep = (p.rep + 1).min(REP_MAX);
+                } else {
+                    p.rep -= REP_FAIL;
+                }
+                p.rep
+            }
+            None => return,
+        };
+        out.push(Action::Report(Report::SpotResult {
+            sender,
+            step,
+            gain,
+            reputation: rep,
+        }));
+        if !ok {
+            self.metrics.spot_failures += 1;
+            if rep <= REP_OFFENDER {
+                self.blame(sender, WireError::HarmfulUpdate, out);
+            }
+        }
+    }
+
+    /// Compare the newest update of `sender` in `step` with the others held for the step;
+    /// if it overlaps one of them beyond the threshold, it is the later one: a copy.
+    fn detect_copy(&mut self, step: u64, sender: NodeId, out: &mut Vec<Action>) {
+        let th = self.run.defence.copy_overlap_permille;
+        if th == 0 {
+            return;
+        }
+        let Some(st) = self.steps.get(&step) else {
+            return;
+        };
+        let Some(me) = st.headers.get(&sender) else {
+            return;
+        };
+        let mut hit = None;
+        for (other, e) in &st.headers {
+            if *other == sender || e.sketch.is_empty() || e.invalid || e.copy {
+                continue;
+            }
+            let o = overlap_permille(&me.sketch, &e.sketch);
+            if o >= th {
+                hit = Some((*other, o));
+                break;
+            }
+        }
+        if let Some((of, o)) = hit {
+            if let Some(e) = self
+                .steps
+                .get_mut(&step)
+                .and_then(|s| s.headers.get_mut(&sender))
+            {
+                e.copy = true;
+            }
+            self.metrics.copies += 1;
+            out.push(Action::Report(Report::CopySuspected {
+                sender,
+                of,
+                step,
+                overlap_permille: o,
+            }));
+            if sender != self.me_id {
+                if let Some(p) = self.peer_mut(sender) {
+                    p.rep -= REP_FAIL;
+                }
+                self.blame(sender, WireError::Copy, out);
+            }
+        }
+    }
+
+    /// The digest most non-banned peers attest for `version`, if at least `attest_quorum` do:
+    /// what a joiner checks a served checkpoint's manifest against.
+    pub fn attested_digest(&self, version: u64) -> Option<Digest> {
+        let m = self.attest.get(&version)?;
+        let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
+        for (p, d) in m {
+            if !self.is_banned(p) && *p != self.me_id {
+                *tally.entry(*d).or_default() += 1;
+            }
+        }
+        tally
+            .into_iter()
+            .filter(|(_, c)| *c >= self.run.limits.attest_quorum)
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
+            .map(|(d, _)| d)
+    }
+
+    /// This peer's local reputation (spot checks and copies; 0 = unknown).
+    pub fn reputation(&self, peer: &NodeId) -> i32 {
+        self.peers.get(peer).map_or(0, |p| p.rep)
+    }
+
+    // -----------------------------------------------------------------------------------------
     // the clock
 
     fn tick(&mut self, now: u64, out: &mut Vec<Action>) {
@@ -1354,20 +1646,32 @@ impl Engine {
             let step = self.next_summary;
             self.next_summary += 1;
             let st = self.steps.entry(step).or_default();
-            let mut ids: Vec<ContentId> = st
+            let held: Vec<(NodeId, ContentId, bool)> = st
                 .headers
                 .iter()
                 .filter(|(s, e)| {
                     e.blob.is_some() && !e.invalid && !st.equivocators.contains_key(*s)
                 })
-                .map(|(_, e)| e.header.body.blob)
+                .map(|(s, e)| (*s, e.header.body.blob, e.copy))
                 .collect();
+            // What this node vouches for: not what its own checks condemned (see `listable`).
+            let mut ids: Vec<ContentId> = Vec::with_capacity(held.len());
+            for &(snd, id, copy) in &held {
+                if self.listable(snd, copy, step) {
+                    ids.push(id);
+                } else {
+                    self.metrics.withheld += 1;
+                }
+            }
             ids.sort();
+            if synced {
+                self.spot_checks(step, &held, out);
+            }
             // Our own view counts toward inclusion only if others heard it too: a summary that
             // was never published (while joining, or after sleeping past apply time) would let
             // this node include what nobody else does.
             if synced && now <= t.apply_at(step) {
-                st.mine = Some(ids.clone());
+                self.steps.entry(step).or_default().mine = Some(ids.clone());
                 let s = StepSummary {
                     run: self.run_id,
                     step,
@@ -1375,6 +1679,7 @@ impl Engine {
                     updates: ids,
                     params_version: self.version,
                     params_digest: self.digest,
+                    pow: self.pow,
                 };
                 out.push(Action::Publish {
                     bytes: Message::Summary(Signed::sign(s, &self.me)).encode(),
@@ -1387,13 +1692,35 @@ impl Engine {
             let step = self.version;
             if now >= t.apply_at(step) {
                 let hard = t.apply_at(step).max(self.synced_at) + t.grace_ms;
+                let majority = self.run.defence.majority;
                 let st = self.steps.entry(step).or_default();
-                let mut listed: BTreeSet<ContentId> = st.mine.iter().flatten().copied().collect();
-                for (p, s) in &st.summaries {
-                    if !self.peers.get(p).is_some_and(|x| x.banned) {
-                        listed.extend(s.updates.iter().copied());
+                // Votes per blob id: one per summary (ours included when it was published).
+                let mut votes: BTreeMap<ContentId, u32> = BTreeMap::new();
+                let mut voters = 0u32;
+                if let Some(m) = &st.mine {
+                    voters += 1;
+                    for id in m {
+                        *votes.entry(*id).or_default() += 1;
                     }
                 }
+                for (p, s) in &st.summaries {
+                    if !self.peers.get(p).is_some_and(|x| x.banned) {
+                        voters += 1;
+                        for id in &s.updates {
+                            *votes.entry(*id).or_default() += 1;
+                        }
+                    }
+                }
+                // Union (any summary suffices), or with `Defence::majority` more than half of
+                // the summaries: then a hostile minority can neither push its own updates in
+                // nor keep honest ones out.
+                let before = votes.len() as u64;
+                let listed: BTreeSet<ContentId> = votes
+                    .into_iter()
+                    .filter(|&(_, v)| !majority || 2 * v > voters)
+                    .map(|(id, _)| id)
+                    .collect();
+                self.metrics.outvoted += before - listed.len() as u64;
                 let mut included = Vec::new();
                 let mut missing = 0u32;
                 let mut waiting = false;
@@ -1498,4 +1825,63 @@ impl Engine {
             out.push(Action::SetTimer { at });
         }
     }
+}
+
+/// A consistent hash sample of an update's kept (tensor, block, index, sign) entries: the same
+/// entry is kept in every update's sample, so two samples' overlap estimates the overlap of the
+/// updates (about `SKETCH_KEYS` keys, whatever the model size).
+fn sketch(u: &crate::sparse::SparseUpdate) -> Vec<u64> {
+    let total: u64 = u
+        .tensors
+        .iter()
+        .map(|t| t.entries(u.codec).0.len() as u64)
+        .sum();
+    let limit = if total <= SKETCH_KEYS {
+        u64::MAX
+    } else {
+        (u64::MAX / total).saturating_mul(SKETCH_KEYS)
+    };
+    let mut keys = Vec::new();
+    for (ti, t) in u.tensors.iter().enumerate() {
+        let k = (t.k as usize).max(1);
+        let (idx, val) = t.entries(u.codec);
+        for (j, (&i, &v)) in idx.iter().zip(&val).enumerate() {
+            let raw = ((ti as u64) << 48)
+                ^ (((j / k) as u64) << 20)
+                ^ ((i as u64) << 1)
+                ^ (v.is_sign_negative() as u64);
+            let h = mix64(raw);
+            if h <= limit {
+                keys.push(h);
+            }
+        }
+    }
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Common keys of two sorted samples, in ‰ of the smaller.
+fn overlap_permille(a: &[u64], b: &[u64]) -> u32 {
+    let (mut i, mut j, mut n) = (0, 0, 0u64);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                n += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    let d = a.len().min(b.len()).max(1) as u64;
+    (n * 1000 / d) as u32
 }

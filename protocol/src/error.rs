@@ -75,6 +75,14 @@ pub enum WireError {
     Unsolicited,
     #[error("checkpoint {0}")]
     Checkpoint(&'static str),
+    #[error("identity proof of work missing or too weak")]
+    NoWork,
+    #[error("spot check: the update made its own batch's loss worse")]
+    HarmfulUpdate,
+    #[error("update copies another peer's update of the same step")]
+    Copy,
+    #[error("served a checkpoint whose digest the swarm does not attest")]
+    FalseCheckpoint,
 }
 
 impl WireError {
@@ -98,6 +106,12 @@ impl WireError {
             | TooMany { .. }
             | NotAscending(_) => 20,
             Checkpoint(_) => 20,
+            // Without work the identity is not admitted; a cheap key is no misconduct yet.
+            NoWork => 5,
+            // Content offences are judged from noisy evidence: the engine accumulates them in
+            // its reputation table and bans only persistent offenders (see SECURITY.md).
+            HarmfulUpdate | Copy => 10,
+            FalseCheckpoint => 1000,
             StepOutOfWindow { .. } => 2,
             Unsolicited => 1,
             // Another run, another version, late, duplicates and full buffers: not misconduct.

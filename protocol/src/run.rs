@@ -131,6 +131,46 @@ impl Limits {
     }
 }
 
+/// How a run defends its aggregate against hostile peers (see docs/SECURITY.md). Every field's
+/// default is "off", and a config that leaves the whole table out keeps its run id.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Defence {
+    /// Include an update only if more than half of the step's summaries list it (instead of
+    /// any one). An honest node leaves out of its summary what its checks condemned, so a
+    /// minority of summarizers can neither force a bad update in nor keep a good one out.
+    pub majority: bool,
+    /// Updates of other peers each node spot-checks per step (loss after applying that update
+    /// alone, on the sender's recomputable batch).
+    pub spot_checks: u32,
+    /// Top-k index overlap (‰ of the later update's kept coefficients) at or above which the
+    /// later of two updates of a step is treated as a copy (0 = off).
+    pub copy_overlap_permille: u32,
+    /// Leading zero bits required of `blake3(pow domain ‖ run ‖ sender ‖ nonce)` on every
+    /// header and summary (0 = no proof of work).
+    pub pow_bits: u32,
+    /// A peer first heard from more than this many steps after the node synced is on probation
+    /// until it passes a spot check: its updates are not listed (0 = no probation).
+    pub probation_steps: u32,
+}
+
+impl Defence {
+    pub fn is_off(&self) -> bool {
+        *self == Defence::default()
+    }
+
+    /// Every defence on, with the settings docs/BENCHMARKS.md measured.
+    pub fn full() -> Defence {
+        Defence {
+            majority: true,
+            spot_checks: 2,
+            copy_overlap_permille: 900,
+            pow_bits: 8,
+            probation_steps: 4,
+        }
+    }
+}
+
 /// A whole run. The run id commits to every field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -144,6 +184,9 @@ pub struct RunConfig {
     pub seed: u64,
     pub timing: StepTiming,
     pub limits: Limits,
+    /// Defences against hostile peers (absent = off).
+    #[serde(default, skip_serializing_if = "Defence::is_off")]
+    pub defence: Defence,
 }
 
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -180,6 +223,12 @@ impl RunConfig {
         format!("swarm/{}/v1", self.run_id().to_hex())
     }
 
+    /// Tokens in one full local batch (`batch_seqs · seq_len`): the cap and unit of an
+    /// update's weight (see `sparse::token_weight`).
+    pub fn nominal_tokens(&self) -> u64 {
+        self.batch_seqs as u64 * self.model.seq_len as u64
+    }
+
     pub fn layout(&self) -> Layout {
         Layout::for_model(&self.model, self.optim.chunk)
     }
@@ -205,6 +254,7 @@ impl RunConfig {
             seed: 0,
             timing,
             limits,
+            defence: Defence::default(),
         }
     }
 

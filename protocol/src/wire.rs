@@ -75,6 +75,9 @@ pub struct UpdateHeader {
     /// The parameters the update was computed on: version (steps applied) and their digest.
     pub base_version: u64,
     pub base_digest: Digest,
+    /// Identity proof of work for runs that require it (`crypto::pow`); absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pow: u64,
 }
 
 /// What a node holds for step `step` when that step's publish deadline passes, and where its
@@ -89,6 +92,13 @@ pub struct StepSummary {
     /// The sender's parameter version (steps applied) and digest when it sent this.
     pub params_version: u64,
     pub params_digest: Digest,
+    /// Identity proof of work, as in [`UpdateHeader::pow`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pow: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 /// Sent once on each new connection. Not signed: the transport (libp2p noise) already
@@ -495,6 +505,7 @@ pub struct UpdateRules {
     pub chunk: u32,
     pub codec: ValueCodec,
     pub max_blob: u64,
+    pub pow_bits: u32,
 }
 
 impl UpdateRules {
@@ -506,6 +517,7 @@ impl UpdateRules {
             chunk: run.optim.chunk,
             codec: run.optim.values,
             max_blob: run.limits.max_blob_bytes,
+            pow_bits: run.defence.pow_bits,
         }
     }
 
@@ -524,6 +536,9 @@ impl UpdateRules {
         }
         if h.chunk != self.chunk {
             return mismatch("chunk", h.chunk as u64, self.chunk as u64);
+        }
+        if !crypto::pow::check(&self.run.0, &h.sender, h.pow, self.pow_bits) {
+            return Err(WireError::NoWork);
         }
         if h.blob_len > self.max_blob {
             return Err(WireError::Oversize {
@@ -641,6 +656,7 @@ mod tests {
             tokens: u64::MAX,
             base_version: u64::MAX,
             base_digest: Digest([3; 32]),
+            pow: 0,
         };
         let f = Message::Announce {
             header: Signed::sign(h, &id),
@@ -655,6 +671,7 @@ mod tests {
             updates: vec![ContentId([9; 32]), ContentId([3; 32])],
             params_version: 0,
             params_digest: Digest([0; 32]),
+            pow: 0,
         };
         let f = Message::Summary(Signed::sign(s, &id)).encode();
         assert_eq!(

@@ -47,6 +47,7 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
             updates: ids,
             params_version: 3,
             params_digest: Digest::of(b"params"),
+            pow: 0,
         },
         &b,
     ));

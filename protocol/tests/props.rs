@@ -55,6 +55,7 @@ fn golden_frames() -> Vec<Vec<u8>> {
                 updates: vec![ContentId::of(b"q")],
                 params_version: 1,
                 params_digest: Digest::default(),
+                pow: 0,
             },
             &a,
         ))
@@ -88,7 +89,7 @@ proptest! {
     fn summary_round_trips(seed in any::<u8>(), step in any::<u64>(), ids in proptest::collection::btree_set(d32(), 0..20), v in any::<u64>()) {
         let id = Identity::from_seed([seed; 32]);
         let updates: Vec<ContentId> = ids.into_iter().map(ContentId).collect();
-        let s = Signed::sign(StepSummary { run: Digest([1; 32]), step, sender: id.node_id(), updates, params_version: v, params_digest: Digest([2; 32]) }, &id);
+        let s = Signed::sign(StepSummary { run: Digest([1; 32]), step, sender: id.node_id(), updates, params_version: v, params_digest: Digest([2; 32]), pow: 0 }, &id);
         let m = Message::Summary(s);
         let back = Message::decode(&m.encode(), &test_run(true).limits).unwrap();
         if let Message::Summary(s) = &back { s.verify().unwrap(); }

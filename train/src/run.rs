@@ -191,8 +191,10 @@ pub fn train(
                 update_bytes = Some(blob);
                 rec.bytes_sent = blob;
                 rec.bytes_received = blob * (n as u64 - 1);
-                let refs: Vec<&SparseUpdate> = updates.iter().collect();
-                let agg = sparse::aggregate(&layout, &refs);
+                // Every replica trains a full batch: equal token counts.
+                let tokens = (opts.batch * seq) as u64;
+                let set: Vec<(&SparseUpdate, u64)> = updates.iter().map(|u| (u, tokens)).collect();
+                let agg = sparse::aggregate_round(&layout, o.combine, tokens, &set);
                 let signs = codec.exact_sign(&agg);
                 apply_sign_step(&model.params, &signs, lr, o.weight_decay);
                 rec.t_apply = t2.elapsed().as_secs_f64();

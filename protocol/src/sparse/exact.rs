@@ -4,8 +4,9 @@
 //! or CUDA, with any thread count and in any arrival order. Floating-point matmuls round
 //! differently on each device, so the decode is made exact instead:
 //!
-//! 1. The per-coefficient mean over the updates that kept it is computed here, in plain Rust,
-//!    in a canonical order (updates sorted by content id; for 1-bit values the sums are small
+//! 1. The per-coefficient mean over the updates that kept it (or, with `Combine::Share`, the
+//!    weighted sum over all included updates divided by their total weight: see
+//!    [`aggregate_round`]) is computed here, in plain Rust, in a canonical order (updates sorted by content id; for 1-bit values the sums are small
 //!    integers and order does not matter at all).
 //! 2. Each block's means are scaled by a power of two fixed by the block's largest magnitude
 //!    and rounded to integers `Yq` with `|Yq| ≤ 2^A`. The sign of the decoded block does not
@@ -19,6 +20,7 @@
 //!    `sign` of it is exact.
 
 use super::{Layout, SparseUpdate};
+use crate::config::Combine;
 
 /// Bits of the quantized DCT basis.
 pub const BASIS_BITS: u32 = 14;
@@ -100,11 +102,101 @@ pub struct Aggregate {
     pub count: usize,
 }
 
-/// Per-coefficient mean over the updates that selected it. `updates` must be validated
-/// against `layout` and share one codec. Sums run in the order of the updates' content ids
-/// (blake3 of their bytes), so the result does not depend on arrival order; for 1-bit values
-/// they are small integers and exact in any order anyway.
+/// Per-coefficient mean over the updates that selected it (the DeMo reference). `updates` must
+/// be validated against `layout` and share one codec. Sums run in the order of the updates'
+/// content ids (blake3 of their bytes), so the result does not depend on arrival order; for
+/// 1-bit values they are small integers and exact in any order anyway.
 pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
+    let scale = vec![1.0; updates.len()];
+    combine_scaled(layout, updates, &scale, None)
+}
+
+/// Largest weight one update gets in [`aggregate_round`] (a full nominal batch).
+pub const MAX_WEIGHT: u32 = 16;
+
+/// An update's weight from the tokens its header states: proportional to
+/// `min(tokens, nominal)` in steps of `nominal / MAX_WEIGHT`, at least 1. The cap means a
+/// sender gains nothing by overstating its tokens beyond the run's batch; an understated count
+/// only costs the sender influence. Integers, so sign-valued sums stay exact.
+pub fn token_weight(tokens: u64, nominal: u64) -> u32 {
+    if nominal == 0 {
+        return MAX_WEIGHT;
+    }
+    let t = tokens.min(nominal) as u128;
+    let w = (t * MAX_WEIGHT as u128 + nominal as u128 / 2) / nominal as u128;
+    (w as u32).clamp(1, MAX_WEIGHT)
+}
+
+/// Combine one round's included updates as the run says, each given with the tokens its
+/// header states (`nominal`: the run's tokens per full local batch).
+///
+/// * [`Combine::Mean`]: [`aggregate`], tokens ignored (the reference).
+/// * [`Combine::Share`]: per coefficient `Σ wᵢ·cᵢ·vᵢ / Σ wᵢ` over **all** included updates, where
+///   `wᵢ = token_weight(tokensᵢ)` and `cᵢ = min(1, median‖v‖ / ‖vᵢ‖)` clips float-valued updates to
+///   the round's median L2 norm (for sign values every update has the same norm, so `cᵢ = 1`).
+///   A coefficient only one update kept therefore moves by that update's weight share, not by
+///   its full value, and no update can outweigh others by inflating its values. Everything is a
+///   function of the included set and their headers, so every node that includes the same set
+///   computes the same aggregate.
+pub fn aggregate_round(
+    layout: &Layout,
+    combine: Combine,
+    nominal: u64,
+    updates: &[(&SparseUpdate, u64)],
+) -> Aggregate {
+    let refs: Vec<&SparseUpdate> = updates.iter().map(|u| u.0).collect();
+    match combine {
+        Combine::Mean => aggregate(layout, &refs),
+        Combine::Share => {
+            let w: Vec<f64> = updates
+                .iter()
+                .map(|u| token_weight(u.1, nominal) as f64)
+                .collect();
+            let norms: Vec<f64> = refs.iter().map(|u| value_norm(u)).collect();
+            let mut sorted = norms.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            // The lower median: a fixed rule, and with an honest majority an honest norm.
+            let med = sorted
+                .get(sorted.len().saturating_sub(1) / 2)
+                .copied()
+                .unwrap_or(0.0);
+            let scale: Vec<f64> = w
+                .iter()
+                .zip(&norms)
+                .map(|(&wi, &n)| {
+                    if n > med && n > 0.0 {
+                        wi * (med / n)
+                    } else {
+                        wi
+                    }
+                })
+                .collect();
+            let total: f64 = w.iter().sum();
+            combine_scaled(layout, &refs, &scale, Some(total))
+        }
+    }
+}
+
+/// L2 norm of an update's values over all tensors (√(k·blocks) for sign values).
+fn value_norm(u: &SparseUpdate) -> f64 {
+    let mut s = 0.0f64;
+    for t in &u.tensors {
+        let (_, v) = t.entries(u.codec);
+        for x in v {
+            s += (x as f64) * (x as f64);
+        }
+    }
+    s.sqrt()
+}
+
+/// Per coefficient `Σ scaleᵢ·vᵢ`, divided by `denominator` when given (a fixed total weight)
+/// or by the number of updates that kept the coefficient (the reference mean).
+fn combine_scaled(
+    layout: &Layout,
+    updates: &[&SparseUpdate],
+    scale: &[f64],
+    denominator: Option<f64>,
+) -> Aggregate {
     let mut order: Vec<(blake3::Hash, usize)> = updates
         .iter()
         .enumerate()
@@ -113,12 +205,12 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
     order.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
     let mut tensors = Vec::with_capacity(layout.tensors.len());
     for (ti, t) in layout.tensors.iter().enumerate() {
-        let entries: Vec<(Vec<u32>, Vec<f32>, usize)> = order
+        let entries: Vec<(Vec<u32>, Vec<f32>, usize, f64)> = order
             .iter()
             .map(|&(_, ui)| {
                 let tu = &updates[ui].tensors[ti];
                 let (i, v) = tu.entries(updates[ui].codec);
-                (i, v, tu.k as usize)
+                (i, v, tu.k as usize, scale[ui])
             })
             .collect();
         let blocks = t.blocks();
@@ -126,15 +218,15 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
         let mut index = Vec::new();
         let mut mean = Vec::new();
         offsets.push(0u32);
-        let mut scratch: Vec<(u32, f32)> = Vec::new();
+        let mut scratch: Vec<(u32, f64)> = Vec::new();
         for b in 0..blocks {
             scratch.clear();
-            for (idx, vals, k) in &entries {
+            for (idx, vals, k, c) in &entries {
                 scratch.extend(
                     idx[b * k..(b + 1) * k]
                         .iter()
                         .copied()
-                        .zip(vals[b * k..(b + 1) * k].iter().copied()),
+                        .zip(vals[b * k..(b + 1) * k].iter().map(|&v| v as f64 * c)),
                 );
             }
             // Stable: equal indices keep the canonical update order, so float sums are fixed.
@@ -145,12 +237,12 @@ pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
                 let mut sum = 0.0f64;
                 let mut n = 0u32;
                 while i < scratch.len() && scratch[i].0 == id {
-                    sum += scratch[i].1 as f64;
+                    sum += scratch[i].1;
                     n += 1;
                     i += 1;
                 }
                 index.push(id);
-                mean.push(sum / n as f64);
+                mean.push(sum / denominator.unwrap_or(n as f64));
             }
             offsets.push(index.len() as u32);
         }
@@ -305,6 +397,52 @@ mod tests {
         assert_eq!(a.tensors[0].index, vec![0, 3, 5]);
         let b = aggregate(&l, &[&u2, &u1]);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn share_bounds_a_lone_senders_influence_and_weights_tokens() {
+        let l = Layout::from_shapes(&[("a".into(), vec![2, 4])], 64);
+        let t = &l.tensors[0];
+        let mk = |codec, idx: &[u32], v: &[f32]| SparseUpdate {
+            codec,
+            tensors: vec![TensorUpdate::from_entries(t, 2, codec, idx, v)],
+        };
+        let s = ValueCodec::Sign;
+        // Three agree on coefficient 0; one lone sender alone keeps 5 and 7.
+        let h1 = mk(s, &[0, 1], &[1.0, 1.0]);
+        let h2 = mk(s, &[0, 2], &[1.0, -1.0]);
+        let h3 = mk(s, &[0, 3], &[1.0, 1.0]);
+        let bad = mk(s, &[5, 7], &[-1.0, -1.0]);
+        let set = [(&h1, 256), (&h2, 256), (&h3, 256), (&bad, 256)];
+        let mean = aggregate_round(&l, Combine::Mean, 256, &set).tensors[0].dense(8);
+        let share = aggregate_round(&l, Combine::Share, 256, &set).tensors[0].dense(8);
+        // The reference gives the lone sender's coefficients full weight, as much as three.
+        assert_eq!(mean[0], 1.0);
+        assert_eq!(mean[5], -1.0);
+        assert_eq!(share[0], 0.75);
+        assert_eq!(share[5], -0.25);
+        // Order-free.
+        let rev = [set[3], set[2], set[1], set[0]];
+        assert_eq!(
+            aggregate_round(&l, Combine::Share, 256, &rev),
+            aggregate_round(&l, Combine::Share, 256, &set)
+        );
+        // Half the tokens, half the weight; overstating beyond the nominal batch gains nothing.
+        assert_eq!(token_weight(128, 256), MAX_WEIGHT / 2);
+        assert_eq!(token_weight(10_000, 256), MAX_WEIGHT);
+        assert_eq!(token_weight(0, 256), 1);
+        let small = [(&h1, 256), (&bad, 128)];
+        let a = aggregate_round(&l, Combine::Share, 256, &small).tensors[0].dense(8);
+        assert_eq!(a[0], 16.0 / 24.0);
+        assert_eq!(a[5], -8.0 / 24.0);
+        // Float values are clipped to the round's median norm: ×100 buys nothing.
+        let f = ValueCodec::F32;
+        let g1 = mk(f, &[0, 1], &[1.0, 0.0]);
+        let g2 = mk(f, &[0, 2], &[1.0, 0.0]);
+        let big = mk(f, &[0, 3], &[-100.0, 0.0]);
+        let a = aggregate_round(&l, Combine::Share, 1, &[(&g1, 1), (&g2, 1), (&big, 1)]);
+        let d = a.tensors[0].dense(8);
+        assert!((d[0] - 1.0 / 3.0).abs() < 1e-12, "{d:?}");
     }
 
     #[test]

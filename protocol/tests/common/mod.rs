@@ -140,6 +140,10 @@ pub struct Sim {
     pub train_ms: u64,
     /// Return true to drop the event (time, from, to, event) before delivery.
     pub drop: DropFn,
+    /// Nodes whose updates a spot check finds harmful (the others' help).
+    pub harmful: std::collections::BTreeSet<usize>,
+    /// node → victim: the node publishes the victim's update with one entry changed.
+    pub copies: BTreeMap<usize, usize>,
 }
 
 impl Sim {
@@ -153,6 +157,8 @@ impl Sim {
             latency: 10,
             train_ms: 300,
             drop: Box::new(|_, _, _, _| false),
+            harmful: Default::default(),
+            copies: BTreeMap::new(),
         };
         for i in 0..n {
             s.add_node(i as u8, Some(genesis_digest()));
@@ -307,10 +313,24 @@ impl Sim {
                 self.push(now + 50, me, ev);
             }
             Action::StartStep { step, .. } if self.nodes[me].trains => {
-                let seed = (me as u64) << 32 | step;
-                let blob = make_update(&self.run, seed).encode();
+                let src = self.copies.get(&me).copied().unwrap_or(me);
+                let seed = (src as u64) << 32 | step;
+                let mut u = make_update(&self.run, seed);
+                if src != me {
+                    // A copy with a little noise: one entry's sign flipped, so its blob id
+                    // differs from the victim's.
+                    let t = &self.run.layout().tensors[0];
+                    let (idx, mut vals) = u.tensors[0].entries(u.codec);
+                    vals[0] = -vals[0];
+                    let k = u.tensors[0].k as usize;
+                    u.tensors[0] =
+                        protocol::sparse::TensorUpdate::from_entries(t, k, u.codec, &idx, &vals);
+                }
+                let blob = u.encode();
+                // A copier must first see what it copies.
+                let delay = if src != me { 100 } else { 0 };
                 self.push(
-                    now + self.train_ms,
+                    now + self.train_ms + delay,
                     me,
                     Event::LocalUpdate {
                         step,
@@ -333,6 +353,24 @@ impl Sim {
                 self.push(now + 5, me, Event::Applied { step, digest: d });
             }
             Action::SetTimer { at } => self.push(at, me, Event::Timer),
+            Action::SpotCheck {
+                step, sender, blob, ..
+            } => {
+                let bad = self
+                    .index(&sender)
+                    .is_some_and(|j| self.harmful.contains(&j));
+                let gain = if bad { -0.5 } else { 0.5 };
+                self.push(
+                    now + 20,
+                    me,
+                    Event::SpotChecked {
+                        step,
+                        sender,
+                        blob,
+                        gain,
+                    },
+                );
+            }
             _ => {}
         }
     }
@@ -370,6 +408,7 @@ pub fn signed_header(
         tokens: 32,
         base_version: step.saturating_sub(1),
         base_digest: Digest::default(),
+        pow: 0,
     };
     protocol::wire::Signed::sign(h, id)
 }

@@ -1,0 +1,182 @@
+//! The engine's content defences (`RunConfig::defence`): the majority rule, spot checks with
+//! reputation, copy detection, identity proof of work and probation. Every test checks both
+//! that the hostile peer's updates stay out and that the honest nodes still agree.
+
+mod common;
+
+use common::*;
+use crypto::NodeId;
+use protocol::engine::{Action, Report};
+use protocol::error::WireError;
+use protocol::run::{Defence, RunConfig};
+
+fn defended(d: Defence) -> RunConfig {
+    let mut run = test_run(false);
+    run.defence = d;
+    run.validate().unwrap();
+    run
+}
+
+/// Steps (from `from` on) at which node `i` included an update of node `j`.
+fn included_from(sim: &Sim, i: usize, j: usize, from: u64) -> Vec<u64> {
+    let sender = sim.nodes[j].id;
+    sim.nodes[i]
+        .log
+        .iter()
+        .filter_map(|(_, a)| match a {
+            Action::Apply { step, updates }
+                if *step >= from && updates.iter().any(|u| u.sender == sender) =>
+            {
+                Some(*step)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
+    let h0 = sim.history(nodes[0]);
+    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
+    for &i in &nodes[1..] {
+        let h = sim.history(i);
+        for (step, v) in &h0 {
+            if let Some(w) = h.get(step) {
+                assert_eq!(v, w, "node {i} disagrees at step {step}");
+            }
+        }
+    }
+}
+
+fn penalized_for(sim: &Sim, i: usize, who: &NodeId, what: fn(&WireError) -> bool) -> bool {
+    sim.actions(i)
+        .any(|a| matches!(a, Action::Penalize { peer, reason, .. } if peer == who && what(reason)))
+}
+
+#[test]
+fn a_harmful_peer_is_spot_checked_outvoted_and_penalized() {
+    let d = Defence {
+        majority: true,
+        spot_checks: 2,
+        ..Defence::default()
+    };
+    let mut sim = Sim::new(defended(d), 6);
+    sim.harmful.insert(5);
+    sim.run_until(GENESIS + 14 * PERIOD);
+    let honest = [0, 1, 2, 3, 4];
+    assert_agree(&sim, &honest, 12);
+    let bad = sim.nodes[5].id;
+    for &i in &honest {
+        // Caught within a few steps (each node checks 2 of 5 peers per step), then out for good.
+        let late = included_from(&sim, i, 5, 6);
+        assert!(
+            late.is_empty(),
+            "node {i} still included the harmful peer at {late:?}"
+        );
+        assert!(
+            penalized_for(&sim, i, &bad, |e| *e == WireError::HarmfulUpdate),
+            "node {i} never penalized the harmful peer"
+        );
+        assert!(sim.nodes[i].engine.reputation(&bad) < 0);
+        // Honest peers keep being included: no false exclusion.
+        for &j in &honest {
+            if j != i {
+                assert!(
+                    included_from(&sim, i, j, 6).len() >= 7,
+                    "node {j} lost at {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn without_the_majority_rule_one_summary_forces_an_update_in() {
+    // The same harmful peer, checks on but the union rule: its own summary lists its update,
+    // so it stays in. This is what `majority` is for.
+    let d = Defence {
+        majority: false,
+        spot_checks: 2,
+        ..Defence::default()
+    };
+    let mut sim = Sim::new(defended(d), 6);
+    sim.harmful.insert(5);
+    sim.run_until(GENESIS + 12 * PERIOD);
+    assert!(included_from(&sim, 0, 5, 6).len() >= 5);
+}
+
+#[test]
+fn a_copier_is_detected_and_left_out() {
+    let d = Defence {
+        majority: true,
+        copy_overlap_permille: 900,
+        ..Defence::default()
+    };
+    let mut sim = Sim::new(defended(d), 5);
+    sim.copies.insert(4, 1);
+    sim.run_until(GENESIS + 10 * PERIOD);
+    let honest = [0, 1, 2, 3];
+    assert_agree(&sim, &honest, 8);
+    let copier = sim.nodes[4].id;
+    for &i in &honest {
+        assert!(
+            included_from(&sim, i, 4, 0).is_empty(),
+            "node {i} included the copy"
+        );
+        assert!(
+            included_from(&sim, i, 1, 0).len() >= 8,
+            "the victim was left out at {i}"
+        );
+        assert!(penalized_for(&sim, i, &copier, |e| *e == WireError::Copy));
+        assert!(sim.nodes[i].log.iter().any(|(_, a)| matches!(
+            a,
+            Action::Report(Report::CopySuspected { sender, .. }) if *sender == copier
+        )));
+    }
+}
+
+#[test]
+fn proof_of_work_is_required_and_checked() {
+    let d = Defence {
+        pow_bits: 8,
+        ..Defence::default()
+    };
+    let mut run = test_run(true);
+    run.defence = d;
+    let mut sim = Sim::new(run.clone(), 3);
+    // A header from an identity without work: rejected, its signer penalized.
+    let lazy = seed_identity(9);
+    let blob = make_update(&run, 77).encode();
+    let frame = announce(&run, &lazy, 1, &blob);
+    sim.inject(GENESIS + PERIOD + 50, 0, lazy.node_id(), frame);
+    sim.run_until(GENESIS + 6 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2], 4);
+    for (step, (ids, _)) in sim.history(0) {
+        assert_eq!(ids.len(), 3, "step {step}: the workers' updates all count");
+    }
+    assert!(penalized_for(&sim, 0, &lazy.node_id(), |e| *e == WireError::NoWork));
+}
+
+#[test]
+fn a_newcomer_is_on_probation_until_it_passes_a_check() {
+    let d = Defence {
+        majority: true,
+        spot_checks: 2,
+        probation_steps: 2,
+        ..Defence::default()
+    };
+    let mut sim = Sim::new(defended(d), 4);
+    sim.run_until(GENESIS + 5 * PERIOD);
+    // A fresh identity joins the run late (it has the parameters; think of a restarted key).
+    let j = sim.add_node(20, None);
+    sim.run_until(GENESIS + 16 * PERIOD);
+    let newcomer = sim.nodes[j].id;
+    let withheld: u64 = (0..4).map(|i| sim.nodes[i].engine.metrics().withheld).sum();
+    assert!(
+        withheld > 0,
+        "nobody held back the newcomer's first updates"
+    );
+    // It passes checks and is then included like everyone else.
+    let late = included_from(&sim, 0, j, 13);
+    assert!(!late.is_empty(), "the newcomer never earned inclusion");
+    assert!(sim.nodes[0].engine.reputation(&newcomer) > 0);
+}
