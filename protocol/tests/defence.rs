@@ -180,3 +180,25 @@ fn a_newcomer_is_on_probation_until_it_passes_a_check() {
     assert!(!late.is_empty(), "the newcomer never earned inclusion");
     assert!(sim.nodes[0].engine.reputation(&newcomer) > 0);
 }
+
+#[test]
+fn a_false_checkpoint_server_is_banned() {
+    let mut sim = Sim::new(test_run(false), 3);
+    sim.run_until(GENESIS + 4 * PERIOD);
+    let liar = sim.nodes[2].id;
+    // What the swarm attests for the version it is at, as a joiner's shell checks a manifest.
+    // (Summaries attest the version a node held when it sent them: the one before the last.)
+    let v = sim.nodes[0].engine.status().version - 1;
+    let attested = sim.nodes[1].engine.attested_digest(v);
+    let h = sim.history(0);
+    assert_eq!(attested, Some(h[&(v - 1)].1));
+    // The shell saw a manifest from the liar whose digest differs: it reports the liar.
+    sim.push(
+        GENESIS + 4 * PERIOD + 10,
+        0,
+        protocol::engine::Event::BadCheckpoint { from: liar },
+    );
+    sim.run_until(GENESIS + 5 * PERIOD);
+    assert!(sim.nodes[0].engine.is_banned(&liar));
+    assert!(penalized_for(&sim, 0, &liar, |e| *e == WireError::FalseCheckpoint));
+}
