@@ -363,7 +363,10 @@ pub struct Engine {
     next_start: u64,
     next_summary: u64,
     steps: BTreeMap<u64, StepState>,
-    by_blob: BTreeMap<ContentId, (u64, NodeId)>,
+    /// (blob id, step) → the sender it is credited to. Keyed by step too: a degenerate update
+    /// (all zeros, say) has the same bytes every step, and a step's set must not depend on
+    /// which earlier step a node happened to see those bytes in.
+    by_blob: BTreeMap<(ContentId, u64), NodeId>,
     wants: BTreeMap<ContentId, Want>,
     inflight: usize,
     peers: BTreeMap<NodeId, Peer>,
@@ -491,7 +494,10 @@ impl Engine {
     /// The `Message::Update` frame for `blob`, if held and verified (the answer to a peer's
     /// fetch). Does not change state.
     pub fn serve_update(&self, blob: &ContentId) -> Option<Vec<u8>> {
-        let (step, sender) = self.by_blob.get(blob)?;
+        let ((_, step), sender) = self
+            .by_blob
+            .range((*blob, 0)..=(*blob, u64::MAX))
+            .next_back()?;
         let e = self.steps.get(step)?.headers.get(sender)?;
         let b = e.blob.as_ref().filter(|_| !e.invalid)?;
         Some(
@@ -866,8 +872,8 @@ impl Engine {
         if st.headers.len() >= l.max_updates_per_step as usize {
             return Err((WireError::BufferFull("updates per step"), Verdict::Ignore));
         }
-        if self.by_blob.contains_key(&h.blob) {
-            // Another sender already claimed this exact blob for a step (a copy): first wins.
+        if self.by_blob.contains_key(&(h.blob, step)) {
+            // Another sender already claimed this exact blob for this step (a copy): first wins.
             return Err((WireError::Duplicate, Verdict::Ignore));
         }
         let cur = self.run.timing.step_at(now);
@@ -882,7 +888,7 @@ impl Engine {
             }
             self.metrics.early += 1;
         }
-        self.by_blob.insert(h.blob, (step, sender));
+        self.by_blob.insert((h.blob, step), sender);
         self.seen(sender, step);
         let st = self.steps.entry(step).or_default();
         st.headers.insert(
@@ -922,12 +928,43 @@ impl Engine {
         }
         match self.rules.check_blob(&e.header.body, &blob) {
             Ok(u) => {
-                e.blob = Some(blob.into());
-                if self.run.defence.copy_overlap_permille > 0 {
-                    e.sketch = sketch(&u);
+                let blob: Arc<[u8]> = blob.into();
+                e.blob = Some(blob.clone());
+                let sk = if self.run.defence.copy_overlap_permille > 0 {
+                    sketch(&u)
+                } else {
+                    Vec::new()
+                };
+                e.sketch = sk.clone();
+                // Other headers of the step that name the same blob (exact copies) share one
+                // want, so they get the bytes now or never: fill them too, each checked against
+                // its own header.
+                let twins: Vec<(u64, NodeId)> = self
+                    .steps
+                    .iter()
+                    .flat_map(|(t, st)| {
+                        st.headers
+                            .iter()
+                            .filter(|(_, e)| {
+                                e.header.body.blob == id && e.blob.is_none() && !e.invalid
+                            })
+                            .map(move |(n, _)| (*t, *n))
+                    })
+                    .filter(|&(t, n)| (t, n) != (step, sender))
+                    .collect();
+                for (t, n) in &twins {
+                    let st = self.steps.get_mut(t).expect("listed above");
+                    let e = st.headers.get_mut(n).expect("listed above");
+                    if self.rules.check_blob(&e.header.body, &blob).is_ok() {
+                        e.blob = Some(blob.clone());
+                        e.sketch = sk.clone();
+                    }
                 }
                 self.resolve_want(id, Verdict::Accept, out);
                 self.detect_copy(step, sender, out);
+                for (t, n) in twins {
+                    self.detect_copy(t, n, out);
+                }
                 true
             }
             Err(err) => {
@@ -1010,8 +1047,8 @@ impl Engine {
         for id in &s.body.updates {
             let held = self
                 .by_blob
-                .get(id)
-                .and_then(|(t, snd)| self.steps.get(t)?.headers.get(snd))
+                .get(&(*id, step))
+                .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
                 .is_some_and(|e| e.blob.is_some() || e.invalid);
             if !held {
                 self.want(*id, step, &[sender, from], out);
@@ -1075,6 +1112,7 @@ impl Engine {
             self.metrics.ignored += 1;
             return;
         };
+        let want_step = w.step;
         w.inflight = None;
         self.inflight -= 1;
         let (header, data) = match Message::decode(bytes, &self.run.limits) {
@@ -1099,7 +1137,16 @@ impl Engine {
             let fatal = e.penalty() > 0;
             self.blame(from, e, out);
             if !fatal {
-                self.resolve_want(blob, Verdict::Ignore, out);
+                // Several senders may sign the same blob (colluders, or a copier publishing an
+                // exact copy): the server may answer with another signer's header, a duplicate
+                // here. The bytes hash to the id we wanted, so they still fill the header we
+                // hold; dropping them would leave this node short of a blob its peers list.
+                match self.blob_owner(want_step, blob) {
+                    Some((t, owner)) => {
+                        self.accept_blob(from, t, owner, data, out);
+                    }
+                    None => self.resolve_want(blob, Verdict::Ignore, out),
+                }
             }
             return;
         }
@@ -1111,9 +1158,47 @@ impl Engine {
             .is_some_and(|e| e.header.body.blob == blob);
         if stored {
             self.accept_blob(from, step, sender, data, out);
+        } else if let Some((t, owner)) = self.blob_owner(want_step, blob) {
+            self.accept_blob(from, t, owner, data, out);
         } else {
             self.resolve_want(blob, Verdict::Ignore, out);
         }
+    }
+
+    /// A stored header that names blob `id` and still lacks it: of `step` (the want's) if
+    /// any, else of another kept step (one want serves every header naming the id); lowest
+    /// sender first, so the choice is the same on every node.
+    fn blob_owner(&self, step: u64, id: ContentId) -> Option<(u64, NodeId)> {
+        let lacking = |t: u64| {
+            self.by_blob
+                .range((id, t)..=(id, t))
+                .map(|(_, n)| *n)
+                .chain(self.steps.get(&t).into_iter().flat_map(|s| {
+                    s.headers
+                        .iter()
+                        .filter(|(_, e)| e.header.body.blob == id)
+                        .map(|(n, _)| *n)
+                }))
+                .find(|n| {
+                    self.steps[&t]
+                        .headers
+                        .get(n)
+                        .is_some_and(|e| e.blob.is_none() && !e.invalid)
+                })
+                .map(|n| (t, n))
+        };
+        if self.steps.contains_key(&step) {
+            if let Some(x) = lacking(step) {
+                return Some(x);
+            }
+        }
+        let steps: Vec<u64> = self
+            .by_blob
+            .range((id, 0)..=(id, u64::MAX))
+            .map(|((_, t), _)| *t)
+            .filter(|t| self.steps.contains_key(t))
+            .collect();
+        steps.into_iter().find_map(lacking)
     }
 
     fn fetch_failed(&mut self, from: NodeId, blob: ContentId) {
@@ -1275,7 +1360,7 @@ impl Engine {
             blob: inline.then(|| blob.clone()),
         }
         .encode();
-        self.by_blob.insert(signed.body.blob, (step, self.me_id));
+        self.by_blob.insert((signed.body.blob, step), self.me_id);
         self.steps.entry(step).or_default().headers.insert(
             self.me_id,
             Entry {
@@ -1663,7 +1748,9 @@ impl Engine {
                     self.metrics.withheld += 1;
                 }
             }
+            // Exact copies share one id: a summary lists each id once (strictly ascending).
             ids.sort();
+            ids.dedup();
             if synced {
                 self.spot_checks(step, &held, out);
             }
@@ -1727,9 +1814,8 @@ impl Engine {
                 for id in &listed {
                     let e = self
                         .by_blob
-                        .get(id)
-                        .filter(|(s, _)| *s == step)
-                        .and_then(|(_, snd)| st.headers.get(snd).map(|e| (snd, e)));
+                        .get(&(*id, step))
+                        .and_then(|snd| st.headers.get(snd).map(|e| (snd, e)));
                     match e {
                         Some((snd, e)) if e.blob.is_some() && !e.invalid => {
                             if !st.equivocators.contains_key(snd) {
@@ -1782,9 +1868,9 @@ impl Engine {
         let lo = self.lo_step(now);
         let keep = self.steps.split_off(&lo);
         let old = std::mem::replace(&mut self.steps, keep);
-        for st in old.values() {
+        for (k, st) in &old {
             for e in st.headers.values() {
-                self.by_blob.remove(&e.header.body.blob);
+                self.by_blob.remove(&(e.header.body.blob, *k));
             }
         }
         let stale: Vec<ContentId> = self
