@@ -28,7 +28,7 @@ use crate::net::{Network, Partition};
 use crate::queue::{EventQueue, Micros};
 use crate::rng::{derive, mix};
 use crate::scenario::{Fault, Policy, Scenario};
-use crate::synth::{AdamBaseline, Synthetic, Trainer};
+use crate::synth::{AdamBaseline, Synthetic};
 
 const NONE: Micros = Micros::MAX;
 
@@ -452,6 +452,7 @@ pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
             latency_p50_ms: quantile(&mut r.latency, 0.5),
             latency_p90_ms: quantile(&mut r.latency, 0.9),
             latency_max_ms: quantile(&mut r.latency, 1.0),
+            ..Default::default()
         });
     }
     let mut m = Metrics {

@@ -5,14 +5,18 @@
 //! * `net`: per-node upload/download serialization, latency + jitter, loss, partitions.
 //! * `world`: engine mode — a real `protocol::engine::Engine` per node, the gossip model.
 //! * `flow`: flow mode — thousands of nodes, the engine's inclusion rule without its crypto.
-//! * `synth`: the synthetic trainer (known optimum, real update layout and sparsity) and the
-//!   AdamW all-reduce baseline.
+//! * `synth`: the `Trainer` trait, the synthetic trainer (known optimum, real update layout
+//!   and sparsity) and its AdamW all-reduce baseline.
+//! * `tiny` (feature `torch`): the real `train` crate as a trainer — what `swarm run` computes.
+//! * `adversary`: hostile peers (noise, sign flip, ALIE, IPM, copies, equivocation, malformed
+//!   frames, Sybils, ...): what each sends instead of its honest update.
 //! * `worked`: the seed article's worked example, analytic and simulated.
 //! * `scenario`: TOML scenario files; `metrics`: what is measured; `plot`: PNG figures.
 //!
 //! Nothing here reads a clock or global randomness: the same scenario and seed give the same
 //! metrics, byte for byte.
 
+pub mod adversary;
 pub mod flow;
 pub mod metrics;
 pub mod net;
@@ -21,6 +25,8 @@ pub mod queue;
 pub mod rng;
 pub mod scenario;
 pub mod synth;
+#[cfg(feature = "torch")]
+pub mod tiny;
 pub mod worked;
 pub mod world;
 
@@ -43,7 +49,7 @@ pub enum SimError {
 /// passes each step boundary.
 pub fn run(sc: &Scenario, progress: &mut dyn FnMut(u64, u64)) -> Result<Metrics, SimError> {
     match sc.mode {
-        Mode::Engine => Ok(world::World::new(sc)?.run(progress)),
+        Mode::Engine => world::World::new(sc)?.run(progress),
         Mode::Flow => Ok(flow::run(sc, progress)),
     }
 }

@@ -8,6 +8,12 @@ pub struct StepMetrics {
     pub step: u64,
     /// Objective after the step, at the parameters most nodes hold (None: nobody applied it).
     pub loss: Option<f64>,
+    /// Mean loss of the batches the nodes trained on this step (real trainers only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_loss: Option<f64>,
+    /// The parameter digest most nodes hold after the step (hex; engine mode).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub digest: String,
     /// The AdamW + all-reduce baseline on the same objective, same step.
     pub baseline_loss: f64,
     /// Nodes that applied this step, and the fraction of them that hold the majority digest.
@@ -60,6 +66,49 @@ pub struct Metrics {
     pub totals: Totals,
     /// Histogram of all step latencies: (upper bound ms, count).
     pub latency_hist_ms: Vec<(f64, u64)>,
+    /// Hostile peers and the defences (engine mode, when the scenario has attackers or
+    /// defences; absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adversary: Option<Adversary>,
+}
+
+/// What the attackers did and what the honest nodes did about it. "Hostile" counts every
+/// identity an attacker node used (Sybils use many); only honest nodes' actions are counted.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Adversary {
+    /// Attacker nodes, and the identities they used.
+    pub hostile_nodes: u32,
+    pub hostile_identities: u32,
+    /// Hostile updates published (announced; an equivocating pair counts once).
+    pub hostile_published: u64,
+    /// Hostile updates in honest nodes' applied sets: in total, and per honest apply.
+    pub hostile_included: u64,
+    pub hostile_included_per_apply: f64,
+    /// Honest updates in honest nodes' applied sets, per honest apply (false exclusions show
+    /// as this falling below the honest nodes' count).
+    pub honest_included_per_apply: f64,
+    /// `Penalize` actions (and their points) by honest nodes against hostile identities, and
+    /// against honest ones (false positives).
+    pub penalties: u64,
+    pub penalty_points: u64,
+    pub false_penalties: u64,
+    /// Bans by honest nodes of hostile identities, and of honest ones.
+    pub bans: u64,
+    pub false_bans: u64,
+    /// Spot checks by honest nodes: of hostile senders (and how many failed), of honest
+    /// senders (and how many failed: false strikes).
+    pub spot_hostile: u64,
+    pub spot_hostile_failed: u64,
+    pub spot_honest: u64,
+    pub spot_honest_failed: u64,
+    /// Copies detected and equivocations proven, as seen by honest nodes (summed over them).
+    pub copies: u64,
+    pub equivocations: u64,
+    /// Steps in which honest nodes that applied it did not all hold the same digest.
+    pub honest_disagree_steps: u32,
+    /// The first step from which on no honest node included any hostile update (None: some
+    /// were included in the last step).
+    pub excluded_from_step: Option<u64>,
 }
 
 impl Metrics {

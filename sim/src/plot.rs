@@ -130,23 +130,41 @@ pub fn all(m: &Metrics, dir: &Path) -> Result<(), SimError> {
             .collect()
     };
     let t = format!("{} · {} nodes · {} mode", m.scenario, m.nodes, m.mode);
+    // A real trainer reports train losses; its `loss` is eval loss on held-out batches.
+    let real = st.iter().any(|s| s.train_loss.is_some());
+    let mut curves = vec![
+        (
+            if real {
+                "DeMo over the simulated swarm (eval)".to_string()
+            } else {
+                "DeMo over the simulated swarm".into()
+            },
+            xs(&|s| s.loss),
+            BLUE,
+        ),
+        (
+            "AdamW + all-reduce baseline".into(),
+            xs(&|s| Some(s.baseline_loss).filter(|l| l.is_finite())),
+            RED,
+        ),
+    ];
+    if real {
+        curves.push((
+            "DeMo: mean train loss of the nodes".into(),
+            xs(&|s| s.train_loss),
+            GREEN,
+        ));
+    }
     lines(
         &dir.join("loss.png"),
-        &format!("{t}: objective (optimum 0)"),
+        &if real {
+            format!("{t}: loss (nats)")
+        } else {
+            format!("{t}: objective (optimum 0)")
+        },
         "loss",
-        &[
-            (
-                "DeMo over the simulated swarm".into(),
-                xs(&|s| s.loss),
-                BLUE,
-            ),
-            (
-                "AdamW + all-reduce baseline".into(),
-                xs(&|s| Some(s.baseline_loss)),
-                RED,
-            ),
-        ],
-        true,
+        &curves,
+        !real,
     )?;
     let mb = 1e6;
     lines(
@@ -198,5 +216,87 @@ pub fn all(m: &Metrics, dir: &Path) -> Result<(), SimError> {
         ],
         false,
     )?;
+    Ok(())
+}
+
+/// A grouped bar chart: one group per category, one bar per series (colours in turn), a zero
+/// line; non-finite values are left out. For the attack measurement's "% worse" figure.
+pub fn bars(
+    out: &Path,
+    title: &str,
+    ylabel: &str,
+    categories: &[String],
+    series: &[(String, Vec<f64>)],
+) -> Result<(), SimError> {
+    const COLOURS: [RGBColor; 5] = [BLUE, RED, GREEN, MAGENTA, CYAN];
+    let root = BitMapBackend::new(out, (1200, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(e)?;
+    let vals = series
+        .iter()
+        .flat_map(|s| s.1.iter())
+        .filter(|v| v.is_finite());
+    let (mut y0, mut y1) = (0.0f64, 0.0f64);
+    for &v in vals {
+        y0 = y0.min(v);
+        y1 = y1.max(v);
+    }
+    if y1 <= y0 {
+        y1 = y0 + 1.0;
+    }
+    let pad = 0.05 * (y1 - y0);
+    let n = categories.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(60)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..n as f64, (y0 - pad)..(y1 + pad))
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 1e-6 {
+                categories.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(ylabel)
+        .draw()
+        .map_err(e)?;
+    let width = 0.8 / series.len().max(1) as f64;
+    for (si, (label, v)) in series.iter().enumerate() {
+        let c = COLOURS[si % COLOURS.len()];
+        chart
+            .draw_series(
+                v.iter()
+                    .enumerate()
+                    .filter(|p| p.1.is_finite())
+                    .map(|(ci, &y)| {
+                        let x = ci as f64 + 0.1 + si as f64 * width;
+                        Rectangle::new([(x, 0.0), (x + width * 0.9, y)], c.mix(0.75).filled())
+                    }),
+            )
+            .map_err(e)?
+            .label(label.clone())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], c.filled()));
+    }
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, 0.0), (n as f64, 0.0)],
+            BLACK.stroke_width(1),
+        )))
+        .map_err(e)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)?;
     Ok(())
 }

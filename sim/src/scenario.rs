@@ -2,6 +2,7 @@
 //! faults and attackers, and which model of the network to run. See `sim/scenarios/*.toml`.
 
 use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
+use protocol::run::Defence;
 use serde::{Deserialize, Serialize};
 
 use crate::net::LinkProfile;
@@ -98,6 +99,14 @@ pub struct Optim {
     pub noise: f32,
     /// The AdamW baseline's peak rate.
     pub adamw_lr: f64,
+    /// How updates are combined: `mean` (the DeMo reference) or `share` (bounded influence).
+    pub combine: protocol::config::Combine,
+    /// How kept values travel: `sign` (1 bit, the DeMo default), `bf16` or `f32`.
+    pub values: ValueCodec,
+    /// Clip each node's gradient to this global L2 norm (0 = off; the `tiny` trainer).
+    pub grad_clip: f64,
+    /// Decoupled weight decay of the sign step.
+    pub weight_decay: f64,
 }
 
 impl Default for Optim {
@@ -111,6 +120,10 @@ impl Default for Optim {
             total_steps: 0,
             noise: 1.0,
             adamw_lr: 0.05,
+            combine: protocol::config::Combine::Mean,
+            values: ValueCodec::Sign,
+            grad_clip: 0.0,
+            weight_decay: 0.0,
         }
     }
 }
@@ -120,10 +133,10 @@ impl Optim {
         OptimConfig {
             chunk: self.chunk,
             topk: self.topk,
-            values: ValueCodec::Sign,
+            values: self.values,
             beta: self.beta,
             lr: self.lr,
-            weight_decay: 0.0,
+            weight_decay: self.weight_decay,
             warmup_steps: self.warmup_steps,
             total_steps: if self.total_steps == 0 {
                 steps as u32
@@ -131,7 +144,61 @@ impl Optim {
                 self.total_steps
             },
             min_lr_ratio: 0.1,
-            grad_clip: 0.0,
+            grad_clip: self.grad_clip,
+            combine: self.combine,
+        }
+    }
+}
+
+/// Which trainer the nodes run (engine mode; flow mode always uses the synthetic one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainerKind {
+    /// The separable quadratic of `synth` (known optimum 0, no libtorch).
+    Synthetic,
+    /// The real `train` crate: `tiny` Llama, synthetic Markov corpus, DeMo exactly as
+    /// `swarm run` computes it (`tiny`). Needs the `torch` feature (`swarm sim` has it).
+    Tiny,
+}
+
+/// `[trainer]`: what the nodes train. For `kind = "tiny"` the `[model]` shape fields and
+/// `optim.noise` are not used (the model is the `tiny` preset, or the run file's).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerSpec {
+    pub kind: TrainerKind,
+    /// A real run config (TOML, as `swarm run --run` takes; relative to the scenario file):
+    /// model, optimizer, data, seed and batch come from it, timing and nodes from the
+    /// scenario. Empty: the `tiny` preset with `[optim]`, `batch`, `data_seed`, `data_vocab`.
+    pub run: String,
+    /// Sequences per node per step (without `run`).
+    pub batch: u32,
+    /// The synthetic Markov corpus (without `run`): its seed and vocabulary.
+    pub data_seed: u64,
+    pub data_vocab: u32,
+    /// libtorch CPU threads. 1 (the default) is what `swarm demo`'s nodes use, so simulated
+    /// and real nodes reduce floats in the same order.
+    pub threads: i32,
+    /// Held-out batches of the reported eval loss (fixed: `eval` split, ids `eval`, 0..n).
+    pub eval_batches: usize,
+    /// Run the AdamW + all-reduce baseline (`train::run` on the same model, nodes, steps).
+    pub baseline: bool,
+    /// AdamW's decoupled weight decay (its rate is `optim.adamw_lr`).
+    pub adamw_wd: f64,
+}
+
+impl Default for TrainerSpec {
+    fn default() -> Self {
+        TrainerSpec {
+            kind: TrainerKind::Synthetic,
+            run: String::new(),
+            batch: 4,
+            data_seed: 1,
+            data_vocab: 32,
+            threads: 1,
+            eval_batches: 1,
+            baseline: true,
+            adamw_wd: 0.1,
         }
     }
 }
@@ -223,13 +290,41 @@ fn unit() -> f64 {
     1.0
 }
 
+pub use crate::adversary::{Attack, Attacker};
+
+/// `defence = "full"` (every content defence, `Defence::full()`), `"off"`, or a table of
+/// `protocol::run::Defence` fields (`[defence] majority = true spot_checks = 2 ...`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
-pub enum Attacker {
-    /// Announces its update but never serves the blob (withholding).
-    Withhold { nodes: Vec<usize> },
-    /// Trains but publishes nothing (a free rider, or a dead trainer behind a live relay).
-    Silent { nodes: Vec<usize> },
+#[serde(untagged)]
+pub enum DefenceSpec {
+    Preset(String),
+    Fields(Defence),
+}
+
+impl Default for DefenceSpec {
+    fn default() -> Self {
+        DefenceSpec::Fields(Defence::default())
+    }
+}
+
+impl DefenceSpec {
+    pub fn full() -> DefenceSpec {
+        DefenceSpec::Preset("full".into())
+    }
+
+    /// The run's defence settings.
+    pub fn resolve(&self) -> Result<Defence, SimError> {
+        match self {
+            DefenceSpec::Fields(d) => Ok(d.clone()),
+            DefenceSpec::Preset(p) => match p.as_str() {
+                "full" => Ok(Defence::full()),
+                "off" => Ok(Defence::default()),
+                other => Err(SimError::Scenario(format!(
+                    "defence = \"{other}\": use \"full\", \"off\" or a [defence] table"
+                ))),
+            },
+        }
+    }
 }
 
 /// Which updates a step includes, in the flow model (the engine mode always includes all).
@@ -283,6 +378,7 @@ pub struct Scenario {
     pub timing: Timing,
     pub model: ModelSpec,
     pub optim: Optim,
+    pub trainer: TrainerSpec,
     pub gossip: Gossip,
     pub flow: Flow,
     #[serde(rename = "class")]
@@ -291,6 +387,8 @@ pub struct Scenario {
     pub faults: Vec<Fault>,
     #[serde(rename = "attacker")]
     pub attackers: Vec<Attacker>,
+    /// The run's content defences (engine mode); see [`DefenceSpec`]. Default: off.
+    pub defence: DefenceSpec,
     /// Run the scenario once per node count listed here (the first class takes the count):
     /// the scale sweep. Empty: run it as written.
     pub sweep: Vec<usize>,
@@ -307,6 +405,7 @@ impl Default for Scenario {
             timing: Timing::default(),
             model: ModelSpec::default(),
             optim: Optim::default(),
+            trainer: TrainerSpec::default(),
             gossip: Gossip::default(),
             flow: Flow::default(),
             classes: vec![NodeClass {
@@ -316,6 +415,7 @@ impl Default for Scenario {
             }],
             faults: Vec::new(),
             attackers: Vec::new(),
+            defence: DefenceSpec::default(),
             sweep: Vec::new(),
         }
     }
@@ -331,7 +431,16 @@ impl Scenario {
     pub fn load(path: &std::path::Path) -> Result<Scenario, SimError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| SimError::Io(format!("{}: {e}", path.display())))?;
-        Self::from_toml(&text)
+        let mut s = Self::from_toml(&text)?;
+        // A run file is named relative to the scenario, so scenarios work from any directory.
+        if !s.trainer.run.is_empty() {
+            let p = std::path::Path::new(&s.trainer.run);
+            if p.is_relative() {
+                let base = path.parent().unwrap_or(std::path::Path::new("."));
+                s.trainer.run = base.join(p).to_string_lossy().into_owned();
+            }
+        }
+        Ok(s)
     }
 
     /// This scenario with `n` nodes in its first class (one point of a sweep).
@@ -382,6 +491,38 @@ impl Scenario {
             .max(self.nodes());
         if self.mode == Mode::Engine && most > 250 {
             return bad("engine mode: at most 250 nodes (the run's max_updates_per_step is 256); use mode = \"flow\"".into());
+        }
+        if self.trainer.kind == TrainerKind::Tiny {
+            if self.mode == Mode::Flow {
+                return bad("trainer kind \"tiny\" runs in engine mode only".into());
+            }
+            if self.trainer.batch == 0 || self.trainer.threads < 1 || self.trainer.eval_batches == 0
+            {
+                return bad("trainer: batch, threads and eval_batches must be at least 1".into());
+            }
+        }
+        self.defence.resolve()?;
+        for a in &self.attackers {
+            a.attack.check().map_err(SimError::Scenario)?;
+            if !(0.0..1.0).contains(&a.fraction) {
+                return bad(format!(
+                    "attacker {}: fraction must be in [0, 1)",
+                    a.attack.name()
+                ));
+            }
+            if a.fraction == 0.0 && a.nodes.is_empty() {
+                return bad(format!(
+                    "attacker {}: give nodes or a fraction",
+                    a.attack.name()
+                ));
+            }
+            if let Some(x) = a.nodes.iter().find(|&&x| x >= self.nodes()) {
+                return bad(format!("attacker {}: no node {x}", a.attack.name()));
+            }
+            // The flow model has no engines to attack (it only ever modelled withholding).
+            if self.mode == Mode::Flow && !matches!(a.attack, Attack::Withhold | Attack::Silent) {
+                return bad(format!("attacker {}: engine mode only", a.attack.name()));
+            }
         }
         for f in &self.faults {
             if let Fault::Join { class, .. } = f {

@@ -15,23 +15,89 @@
 //! it, then `θ −= lr·sign(mean)` — with sign values the mean's sign is the sign of an integer
 //! sum, exact in any order, so every node that applies the same set gets the same bits.
 
-use protocol::config::{lr_at, OptimConfig, ValueCodec};
-use protocol::sparse::{Layout, SparseUpdate, TensorUpdate};
+use crypto::{Digest, NodeId};
+use protocol::config::{lr_at, Combine, OptimConfig, ValueCodec};
+use protocol::sparse::{token_weight, Layout, SparseUpdate, TensorUpdate};
 
 use crate::rng::derive;
+use crate::SimError;
 
-/// What every trainer (synthetic or real) offers the simulator.
+/// One node's contribution to a step: its update, the tokens its header states, and (for a
+/// real model) the loss of the batch it trained on.
+pub struct Local {
+    pub update: SparseUpdate,
+    pub tokens: u64,
+    pub train_loss: Option<f64>,
+}
+
+/// What every trainer (synthetic or real) offers engine mode. Parameters are a flat `f32`
+/// vector whose layout the trainer defines; the world only stores, shares and hashes it.
 pub trait Trainer {
     /// Initial parameters (version 0).
-    fn init(&self) -> Vec<f32>;
-    /// Node `node`'s update for `step`, trained on `params`. Keeps the node's own momentum.
-    fn local_update(&mut self, node: usize, step: u64, params: &[f32]) -> SparseUpdate;
-    /// Parameters after applying `updates` (already validated, in canonical order) at `step`.
-    fn apply(&self, step: u64, params: &[f32], updates: &[SparseUpdate]) -> Vec<f32>;
-    /// The objective (for the synthetic trainer: exact; its optimum is 0).
-    fn loss(&self, params: &[f32]) -> f64;
+    fn init(&mut self) -> Vec<f32>;
+    /// Node `node` (identity `id`: real batches are a function of it) trains `step` on
+    /// `params`, keeping its own momentum.
+    fn train(&mut self, node: usize, id: &NodeId, step: u64, params: &[f32]) -> Local;
+    /// Parameters after applying `updates` (validated, in the engine's order, each with the
+    /// tokens its header states) at `step`.
+    fn apply_round(
+        &mut self,
+        step: u64,
+        params: &[f32],
+        updates: &[(&SparseUpdate, u64)],
+    ) -> Vec<f32>;
+    /// The loss the metrics report for `params` (synthetic: the exact objective; a real model:
+    /// eval loss on fixed held-out batches).
+    fn eval(&mut self, params: &[f32]) -> f64;
+    /// The parameter digest nodes compare (a real model: the protocol's `params_digest`).
+    fn digest(&self, params: &[f32]) -> Digest {
+        flat_digest(params)
+    }
     /// Forget a node's momentum (it crashed, or joined fresh).
     fn reset_node(&mut self, node: usize);
+    /// The AdamW + all-reduce baseline's loss after each of `steps` steps with `nodes` nodes.
+    fn baseline(&mut self, steps: u64, nodes: usize) -> Result<Vec<f64>, SimError>;
+    /// The update layout (for the metrics' update size).
+    fn layout(&self) -> &Layout;
+    /// A spot check (`protocol::engine::Action::SpotCheck`): the loss before minus after
+    /// applying `update` (stating `tokens`) **alone** as the step's sign step to `params`.
+    /// Positive: it helped. The protocol evaluates on the sender's own recomputable batch
+    /// (`sender`, `step`); a trainer without batches may use its objective. The default does
+    /// that with [`Trainer::eval`], which for `Synthetic` is the exact objective; a real model
+    /// should override it with the sender's batch loss (eval on held-out data is too costly
+    /// and too noisy for two forward passes per check).
+    fn spot_check(
+        &mut self,
+        sender: &NodeId,
+        step: u64,
+        params: &[f32],
+        update: &SparseUpdate,
+        tokens: u64,
+    ) -> f64 {
+        let _ = sender;
+        let before = self.eval(params);
+        let after = self.apply_round(step, params, &[(update, tokens)]);
+        before - self.eval(&after)
+    }
+}
+
+/// L2 norm of an update's values (√(k·blocks) for sign values).
+fn value_norm(u: &SparseUpdate) -> f64 {
+    u.tensors
+        .iter()
+        .flat_map(|t| t.entries(u.codec).1)
+        .map(|x| x as f64 * x as f64)
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// blake3 of the parameters' f32 little-endian bytes.
+pub fn flat_digest(p: &[f32]) -> Digest {
+    let mut b = Vec::with_capacity(p.len() * 4);
+    for x in p {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    Digest::of(&b)
 }
 
 #[derive(Clone, Debug)]
@@ -45,6 +111,10 @@ pub struct Synthetic {
     target: Vec<f32>,
     curv: Vec<f32>,
     momentum: Vec<Vec<f32>>,
+    /// Tokens every node's header states (the run's nominal batch: equal weights).
+    pub tokens: u64,
+    /// The AdamW baseline's peak rate.
+    pub adamw_lr: f64,
 }
 
 impl Synthetic {
@@ -67,6 +137,8 @@ impl Synthetic {
             target,
             curv,
             momentum: Vec::new(),
+            tokens: 1,
+            adamw_lr: 0.05,
         }
     }
 
@@ -99,12 +171,12 @@ impl Synthetic {
     }
 }
 
-impl Trainer for Synthetic {
-    fn init(&self) -> Vec<f32> {
+impl Synthetic {
+    pub fn init(&self) -> Vec<f32> {
         vec![0.0; self.target.len()]
     }
 
-    fn local_update(&mut self, node: usize, step: u64, params: &[f32]) -> SparseUpdate {
+    pub fn local_update(&mut self, node: usize, step: u64, params: &[f32]) -> SparseUpdate {
         if self.momentum.len() <= node {
             self.momentum.resize(node + 1, Vec::new());
         }
@@ -164,9 +236,42 @@ impl Trainer for Synthetic {
         SparseUpdate { codec, tensors }
     }
 
-    fn apply(&self, step: u64, params: &[f32], updates: &[SparseUpdate]) -> Vec<f32> {
+    /// Parameters after applying `updates` with equal weights.
+    pub fn apply(&self, step: u64, params: &[f32], updates: &[SparseUpdate]) -> Vec<f32> {
+        let set: Vec<(&SparseUpdate, u64)> = updates.iter().map(|u| (u, self.tokens)).collect();
+        self.apply_weighted(step, params, &set)
+    }
+
+    /// With the identity basis the decoded aggregate of a coefficient is the coefficient
+    /// itself, so its sign is the sign of the (token-weighted, under `share`) sum of the values
+    /// sent for it: integers for sign values, exact in any order.
+    pub fn apply_weighted(
+        &self,
+        step: u64,
+        params: &[f32],
+        updates: &[(&SparseUpdate, u64)],
+    ) -> Vec<f32> {
         let mut sum = vec![0f64; params.len()];
-        for u in updates {
+        // Under `share`, float values are clipped to the round's (lower) median L2 norm, as
+        // `protocol::sparse::aggregate_round` does; sign values all have the same norm.
+        let norms: Vec<f64> = updates.iter().map(|(u, _)| value_norm(u)).collect();
+        let med = {
+            let mut v = norms.clone();
+            v.sort_by(|a, b| a.total_cmp(b));
+            v.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
+        };
+        for (&(u, tokens), &norm) in updates.iter().zip(&norms) {
+            let w = match self.optim.combine {
+                Combine::Mean => 1.0,
+                Combine::Share => {
+                    let w = token_weight(tokens, self.tokens) as f64;
+                    if norm > med && norm > 0.0 {
+                        w * (med / norm)
+                    } else {
+                        w
+                    }
+                }
+            };
             for ((tu, t), &off) in u
                 .tensors
                 .iter()
@@ -176,7 +281,7 @@ impl Trainer for Synthetic {
                 let (idx, vals) = tu.entries(u.codec);
                 let (k, elems) = (tu.k as usize, t.block_elems());
                 for (e, (i, v)) in idx.iter().zip(&vals).enumerate() {
-                    sum[off + (e / k) * elems + *i as usize] += *v as f64;
+                    sum[off + (e / k) * elems + *i as usize] += w * *v as f64;
                 }
             }
         }
@@ -198,7 +303,7 @@ impl Trainer for Synthetic {
             .collect()
     }
 
-    fn loss(&self, params: &[f32]) -> f64 {
+    pub fn loss(&self, params: &[f32]) -> f64 {
         let s: f64 = params
             .iter()
             .zip(&self.target)
@@ -211,10 +316,55 @@ impl Trainer for Synthetic {
         0.5 * s / params.len().max(1) as f64
     }
 
-    fn reset_node(&mut self, node: usize) {
+    pub fn reset_node(&mut self, node: usize) {
         if let Some(m) = self.momentum.get_mut(node) {
             m.clear();
         }
+    }
+}
+
+impl Trainer for Synthetic {
+    fn init(&mut self) -> Vec<f32> {
+        Synthetic::init(self)
+    }
+
+    fn train(&mut self, node: usize, _id: &NodeId, step: u64, params: &[f32]) -> Local {
+        Local {
+            update: self.local_update(node, step, params),
+            tokens: self.tokens,
+            train_loss: None,
+        }
+    }
+
+    fn apply_round(
+        &mut self,
+        step: u64,
+        params: &[f32],
+        updates: &[(&SparseUpdate, u64)],
+    ) -> Vec<f32> {
+        self.apply_weighted(step, params, updates)
+    }
+
+    fn eval(&mut self, params: &[f32]) -> f64 {
+        self.loss(params)
+    }
+
+    fn reset_node(&mut self, node: usize) {
+        Synthetic::reset_node(self, node)
+    }
+
+    fn baseline(&mut self, steps: u64, nodes: usize) -> Result<Vec<f64>, SimError> {
+        let mut base = AdamBaseline::new(self.init(), self.adamw_lr, 0.0);
+        Ok((0..steps)
+            .map(|s| {
+                base.step(self, s, nodes);
+                self.loss(&base.params)
+            })
+            .collect())
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.layout
     }
 }
 

@@ -21,15 +21,21 @@ use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
 
-use crate::metrics::{finish, quantile, Metrics, StepMetrics};
+use crate::adversary::{self, Attack, Malformation};
+use crate::metrics::{finish, quantile, Adversary, Metrics, StepMetrics};
 use crate::net::{LinkProfile, Network, Partition};
 use crate::queue::{EventQueue, Micros};
 use crate::rng::{derive, Rng};
-use crate::scenario::{Attacker, Fault, Scenario};
-use crate::synth::{AdamBaseline, Synthetic, Trainer};
+use crate::scenario::{Fault, Scenario, TrainerKind};
+use crate::synth::{Local, Synthetic, Trainer};
 use crate::SimError;
 
 const GENESIS_MS: u64 = 10_000;
+/// How long attackers that use the step's honest updates (ALIE, IPM, copier) wait for them
+/// after their own training: about one header hop plus one blob fetch on a fast link.
+const WATCH_MS: u64 = 200;
+/// Virtual time a spot check takes (two forward passes on one batch).
+const SPOT_MS: u64 = 5;
 
 enum Ev {
     Engine {
@@ -56,13 +62,38 @@ enum Ev {
     Fault(usize),
     Recover(usize),
     StepMark(u64),
+    /// An attacker's publication time for `step` (its honest update in hand).
+    Hostile {
+        node: usize,
+        incarnation: u64,
+        step: u64,
+        local: Local,
+    },
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Role {
+/// What a node does with the protocol besides following it: honest, or one of the
+/// attacks of [`adversary`] (what it sends is made in [`World::outgoing`]; withholders
+/// misbehave when serving, in [`World::serve`]; all attackers collude in spot checks).
+#[derive(Clone, Copy, PartialEq)]
+pub enum Role {
     Honest,
-    Withhold,
-    Silent,
+    Hostile(Attack),
+}
+
+/// What a node publishes for a step, made from its honest update by its role.
+enum Outgoing {
+    Nothing,
+    /// A blob for its own engine to sign and publish (and the tokens it states).
+    Local {
+        blob: Vec<u8>,
+        tokens: u64,
+    },
+    /// Frames the world sends in its name, bypassing its engine (which would refuse them):
+    /// (mesh peer, gossip frame), and (blob id, fetch response) to serve.
+    Forged {
+        sends: Vec<(usize, Vec<u8>)>,
+        serve: Vec<(ContentId, Vec<u8>)>,
+    },
 }
 
 struct Node {
@@ -87,6 +118,9 @@ struct Applied {
     digest: Digest,
     included: u32,
     latency_ms: Option<f64>,
+    /// Applied by an honest node; how many hostile updates it included.
+    honest: bool,
+    hostile: u32,
 }
 
 pub struct World {
@@ -96,7 +130,7 @@ pub struct World {
     net: Network,
     nodes: Vec<Node>,
     index: HashMap<NodeId, usize>,
-    trainer: Synthetic,
+    trainer: Box<dyn Trainer>,
     /// (tag) → (node, from, id, bytes): frames waiting for their engine's verdict.
     pending: HashMap<u64, (usize, usize, ContentId, Arc<Vec<u8>>)>,
     next_tag: u64,
@@ -112,9 +146,27 @@ pub struct World {
     rejected: u64,
     events: u64,
     genesis: Digest,
+    /// Per step: (sum, count) of the train losses nodes reported (real trainers only).
+    train_losses: BTreeMap<u64, (f64, u32)>,
+    run_id: protocol::run::RunId,
+    /// Every identity an attacker node has used.
+    hostile_ids: HashSet<NodeId>,
+    /// Fetch responses attackers serve for their forged headers: blob id → (step, frame).
+    forged: HashMap<ContentId, (u64, Vec<u8>)>,
+    /// Honest updates of recent steps, in the order they were made (what colluding attackers
+    /// see); kept only when some attacker watches.
+    honest_updates: BTreeMap<u64, Vec<SparseUpdate>>,
+    /// Stale replayers' own past updates: (node, step) → update.
+    own_past: BTreeMap<(usize, u64), SparseUpdate>,
+    /// Proof-of-work nonces of attacker identities (forged headers need them).
+    pow: HashMap<NodeId, u64>,
+    adv: Adversary,
 }
 
-fn identity(seed: u64, i: usize) -> Identity {
+/// The identity of simulated node `i` under `seed` (a restarted node `i` of incarnation `c`
+/// is `i + 100_000·c`). `swarm demo --key-seed SEED` gives its trainers these keys, so a
+/// simulated node and a real one train on the same batches.
+pub fn identity(seed: u64, i: usize) -> Identity {
     let mut s = [0u8; 32];
     s[..8].copy_from_slice(&seed.to_le_bytes());
     s[8..16].copy_from_slice(&(i as u64).to_le_bytes());
@@ -122,44 +174,87 @@ fn identity(seed: u64, i: usize) -> Identity {
     Identity::from_seed(s)
 }
 
-fn params_digest(p: &[f32]) -> Digest {
-    let mut b = Vec::with_capacity(p.len() * 4);
-    for x in p {
-        b.extend_from_slice(&x.to_le_bytes());
+/// The run config and trainer a scenario asks for.
+fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn Trainer>), SimError> {
+    let bad = |e: String| SimError::Scenario(e);
+    let tr = &sc.trainer;
+    let mut run = match (tr.kind, tr.run.is_empty()) {
+        (TrainerKind::Tiny, false) => {
+            let text = std::fs::read_to_string(&tr.run)
+                .map_err(|e| SimError::Io(format!("{}: {e}", tr.run)))?;
+            let mut r: RunConfig =
+                toml::from_str(&text).map_err(|e| bad(format!("{}: {e}", tr.run)))?;
+            r.timing = timing;
+            r
+        }
+        (kind, _) => {
+            let (model, data) = match kind {
+                TrainerKind::Synthetic => (
+                    sc.model.config(),
+                    DataSpec::Synthetic {
+                        seed: sc.seed,
+                        vocab: sc.model.vocab,
+                    },
+                ),
+                TrainerKind::Tiny => (
+                    protocol::config::ModelConfig::named("tiny", 64).expect("a preset"),
+                    DataSpec::Synthetic {
+                        seed: tr.data_seed,
+                        vocab: tr.data_vocab,
+                    },
+                ),
+            };
+            let mut r = RunConfig::new(&sc.name, model, sc.optim.config(sc.steps), data, timing);
+            r.seed = sc.seed;
+            r.batch_seqs = tr.batch;
+            r
+        }
+    };
+    // Every blob goes announce-then-fetch, the path real-size updates take (see the module
+    // docs); results do not depend on it.
+    run.limits.inline_blob_bytes = 0;
+    // The scenario's defences (a run file keeps its own unless the scenario sets some).
+    let defence = sc.defence.resolve()?;
+    if !defence.is_off() || tr.run.is_empty() {
+        run.defence = defence;
     }
-    Digest::of(&b)
+    run.validate().map_err(|e| bad(e.to_string()))?;
+    let trainer: Box<dyn Trainer> = match tr.kind {
+        TrainerKind::Synthetic => {
+            let mut t = Synthetic::new(run.layout(), run.optim.clone(), sc.optim.noise, sc.seed);
+            t.tokens = run.nominal_tokens();
+            t.adamw_lr = sc.optim.adamw_lr;
+            Box::new(t)
+        }
+        #[cfg(feature = "torch")]
+        TrainerKind::Tiny => Box::new(crate::tiny::Tiny::new(&run, sc)?),
+        #[cfg(not(feature = "torch"))]
+        TrainerKind::Tiny => {
+            return Err(bad(
+                "trainer kind \"tiny\" needs the simulator built with the `torch` feature \
+                 (`swarm sim` has it; `cargo run -p sim --features torch ...`)"
+                    .into(),
+            ))
+        }
+    };
+    Ok((run, trainer))
 }
 
 impl World {
     pub fn new(sc: &Scenario) -> Result<World, SimError> {
-        let model = sc.model.config();
-        let optim = sc.optim.config(sc.steps);
         let timing = StepTiming {
             genesis_ms: GENESIS_MS,
             period_ms: sc.timing.period_ms,
             grace_ms: sc.timing.grace_ms,
             summary_ms: sc.timing.summary_ms,
         };
-        let mut run = RunConfig::new(
-            &sc.name,
-            model,
-            optim.clone(),
-            DataSpec::Synthetic {
-                seed: sc.seed,
-                vocab: sc.model.vocab,
-            },
-            timing,
-        );
-        run.seed = sc.seed;
-        run.limits.inline_blob_bytes = 0;
-        run.validate()
-            .map_err(|e| SimError::Scenario(e.to_string()))?;
-        let layout = run.layout();
-        let actual = encoded_size(&layout, optim.topk, optim.values) as u64;
+        let (run, mut trainer) = make_run(sc, timing)?;
+        let run_id = run.run_id();
+        let optim = &run.optim;
+        let actual = encoded_size(&run.layout(), optim.topk, optim.values) as u64;
         let wire_extra = sc.model.wire_blob_bytes.saturating_sub(actual);
-        let trainer = Synthetic::new(layout, optim, sc.optim.noise, sc.seed);
         let init = Arc::new(trainer.init());
-        let genesis = params_digest(&init);
+        let genesis = trainer.digest(&init);
         let classes = sc.node_classes();
         let net = Network::new(
             classes
@@ -188,9 +283,17 @@ impl World {
             rejected: 0,
             events: 0,
             genesis,
+            train_losses: BTreeMap::new(),
+            run_id,
+            hostile_ids: HashSet::new(),
+            forged: HashMap::new(),
+            honest_updates: BTreeMap::new(),
+            own_past: BTreeMap::new(),
+            pow: HashMap::new(),
+            adv: Adversary::default(),
             sc: sc.clone(),
         };
-        let l0 = w.trainer.loss(&init);
+        let l0 = w.trainer.eval(&init);
         w.losses.insert(genesis, l0);
         for (i, &c) in classes.iter().enumerate() {
             w.spawn(i, sc.classes[c].compute_ms, Some(init.clone()));
@@ -214,16 +317,9 @@ impl World {
         for i in 0..n {
             w.connect_mesh(i);
         }
-        for a in &sc.attackers {
-            let (nodes, role) = match a {
-                Attacker::Withhold { nodes } => (nodes, Role::Withhold),
-                Attacker::Silent { nodes } => (nodes, Role::Silent),
-            };
-            for &x in nodes {
-                if x < n {
-                    w.nodes[x].role = role;
-                }
-            }
+        for (x, attack) in adversary::assign(&sc.attackers, n, sc.seed) {
+            w.nodes[x].role = Role::Hostile(attack);
+            w.hostile_ids.insert(w.nodes[x].id);
         }
         let t = w.run.timing.clone();
         for (fi, f) in sc.faults.iter().enumerate() {
@@ -277,6 +373,9 @@ impl World {
             self.index.remove(&old.id);
             self.nodes[i].mesh = old.mesh;
             self.nodes[i].role = old.role;
+            if old.role != Role::Honest {
+                self.hostile_ids.insert(id);
+            }
         } else {
             self.nodes.push(node);
         }
@@ -316,7 +415,7 @@ impl World {
     }
 
     /// Run to the end; `progress(step, steps)` is called at each step boundary.
-    pub fn run(mut self, progress: &mut dyn FnMut(u64, u64)) -> Metrics {
+    pub fn run(mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Metrics, SimError> {
         let t = self.run.timing.clone();
         let end = (t.apply_at(self.sc.steps.saturating_sub(1)) + t.grace_ms + 100) * 1000;
         while let Some((now, ev)) = self.q.pop_until(end) {
@@ -328,7 +427,19 @@ impl World {
                         let alive = self.nodes.iter().map(|n| n.alive).collect();
                         self.bytes.push((up, down, alive));
                     }
+                    self.step_mark(s);
                     progress(s, self.sc.steps);
+                }
+                Ev::Hostile {
+                    node,
+                    incarnation,
+                    step,
+                    local,
+                } => {
+                    let n = &self.nodes[node];
+                    if n.alive && n.incarnation == incarnation {
+                        self.publish(node, step, local, now);
+                    }
                 }
                 Ev::Engine { node, ev } => self.deliver(node, ev, now),
                 Ev::Gossip {
@@ -337,7 +448,13 @@ impl World {
                     id,
                     bytes,
                 } => {
-                    if !self.nodes[node].alive || !self.nodes[node].seen.insert(id) {
+                    // A banned peer's frames are dropped by the transport before the duplicate
+                    // filter, so they cannot shadow the same frame from an honest relay.
+                    let banned = self.nodes[node]
+                        .engine
+                        .as_ref()
+                        .is_some_and(|e| e.is_banned(&self.nodes[from].id));
+                    if !self.nodes[node].alive || banned || !self.nodes[node].seen.insert(id) {
                         continue;
                     }
                     let tag = self.next_tag;
@@ -460,6 +577,9 @@ impl World {
             if let (Some(step), Action::Publish { bytes }) = (local, &a) {
                 if bytes.get(1) == Some(&protocol::wire::kind::ANNOUNCE) {
                     *self.produced.entry(step).or_default() += 1;
+                    if self.nodes[i].role != Role::Honest {
+                        self.adv.hostile_published += 1;
+                    }
                 }
             }
             self.act(i, a, now);
@@ -511,7 +631,10 @@ impl World {
             return self.q.push(now + self.timeout(), fail);
         }
         let resp = match self.nodes[server].role {
-            Role::Withhold => None,
+            Role::Hostile(Attack::Withhold) => None,
+            Role::Hostile(_) if self.forged.contains_key(&blob) => {
+                self.forged.get(&blob).map(|f| f.1.clone())
+            }
             _ => self.nodes[server]
                 .engine
                 .as_ref()
@@ -638,23 +761,48 @@ impl World {
                 }
             }
             Action::StartStep { step, .. } => {
-                if self.nodes[i].role == Role::Silent {
-                    return;
-                }
                 let params = self.nodes[i].params.clone();
-                let upd = self.trainer.local_update(i, step, &params);
-                let blob = upd.encode();
+                let id = self.nodes[i].id;
+                let local = self.trainer.train(i, &id, step, &params);
+                if let Some(l) = local.train_loss {
+                    let e = self.train_losses.entry(step).or_default();
+                    e.0 += l;
+                    e.1 += 1;
+                }
+                // Virtual time: the scenario's compute time, never the host's.
                 let at = now + self.nodes[i].compute_ms * 1000;
+                match self.nodes[i].role {
+                    Role::Honest => {
+                        if self.sc.attackers.iter().any(|a| a.attack.watches()) {
+                            let v = self.honest_updates.entry(step).or_default();
+                            v.push(local.update.clone());
+                        }
+                    }
+                    Role::Hostile(a) => {
+                        if let Attack::Stale { .. } = a {
+                            self.own_past.insert((i, step), local.update.clone());
+                        }
+                        // Attackers publish at their own time, with what they have seen by then.
+                        let wait = if a.watches() { WATCH_MS * 1000 } else { 0 };
+                        let incarnation = self.nodes[i].incarnation;
+                        let ev = Ev::Hostile {
+                            node: i,
+                            incarnation,
+                            step,
+                            local,
+                        };
+                        return self.q.push(at + wait, ev);
+                    }
+                }
+                let Outgoing::Local { blob, tokens } = self.outgoing(i, step, local) else {
+                    return;
+                };
                 self.nodes[i].arrivals.insert(ContentId::of(&blob), at);
                 self.q.push(
                     at,
                     Ev::Engine {
                         node: i,
-                        ev: Event::LocalUpdate {
-                            step,
-                            blob,
-                            tokens: 1,
-                        },
+                        ev: Event::LocalUpdate { step, blob, tokens },
                     },
                 );
             }
@@ -671,13 +819,333 @@ impl World {
                     );
                 }
             }
-            Action::Report(r) => match r {
-                Report::Desync { .. } => self.desyncs += 1,
-                Report::Rejected { .. } => self.rejected += 1,
-                _ => {}
-            },
-            Action::Penalize { .. } | Action::Ban { .. } => {}
+            Action::Report(r) => {
+                let honest = self.nodes[i].role == Role::Honest;
+                match r {
+                    Report::Desync { .. } => self.desyncs += 1,
+                    Report::Rejected { .. } => self.rejected += 1,
+                    Report::SpotResult { sender, gain, .. } if honest => {
+                        // `gain > 0` is the engine's pass rule (NaN fails).
+                        let failed = !(gain > 0.0);
+                        if self.hostile_ids.contains(&sender) {
+                            self.adv.spot_hostile += 1;
+                            self.adv.spot_hostile_failed += failed as u64;
+                        } else {
+                            self.adv.spot_honest += 1;
+                            self.adv.spot_honest_failed += failed as u64;
+                        }
+                    }
+                    Report::CopySuspected { .. } if honest => self.adv.copies += 1,
+                    _ => {}
+                }
+            }
+            Action::Penalize {
+                peer,
+                reason,
+                points,
+            } => {
+                if self.nodes[i].role == Role::Honest {
+                    if self.hostile_ids.contains(&peer) {
+                        self.adv.penalties += 1;
+                        self.adv.penalty_points += points as u64;
+                    } else {
+                        self.adv.false_penalties += 1;
+                    }
+                    if matches!(reason, protocol::error::WireError::Equivocation { .. }) {
+                        self.adv.equivocations += 1;
+                    }
+                }
+            }
+            Action::Ban { peer, .. } => {
+                // The shell disconnects a banned peer; gossipsub grafts others in its place.
+                if let Some(&j) = self.index.get(&peer) {
+                    self.unlink(i, j, now);
+                }
+                if self.nodes[i].role == Role::Honest {
+                    if self.hostile_ids.contains(&peer) {
+                        self.adv.bans += 1;
+                    } else {
+                        self.adv.false_bans += 1;
+                    }
+                }
+            }
+            Action::SpotCheck {
+                step,
+                sender,
+                blob,
+                tokens,
+                bytes,
+            } => {
+                let gain = match self.nodes[i].role {
+                    // Colluders pass each other and fail everyone else.
+                    Role::Hostile(_) => {
+                        if self.hostile_ids.contains(&sender) {
+                            1.0
+                        } else {
+                            -1.0
+                        }
+                    }
+                    // The engine validated the blob; a decode failure would be a bug, and NaN
+                    // is a failed check, never a panic.
+                    Role::Honest => match SparseUpdate::decode(&bytes.0, bytes.0.len()) {
+                        Ok(u) => {
+                            let params = self.nodes[i].params.clone();
+                            self.trainer.spot_check(&sender, step, &params, &u, tokens)
+                        }
+                        Err(_) => f64::NAN,
+                    },
+                };
+                self.q.push(
+                    now + SPOT_MS * 1000,
+                    Ev::Engine {
+                        node: i,
+                        ev: Event::SpotChecked {
+                            step,
+                            sender,
+                            blob,
+                            gain,
+                        },
+                    },
+                );
+            }
         }
+    }
+
+    /// The one place a node's outgoing update is made from its honest one, by its role: the
+    /// blob its engine publishes and the tokens its header states, nothing, or frames forged
+    /// in its name (equivocation, malformed messages: what an honest engine refuses to sign).
+    fn outgoing(&mut self, i: usize, step: u64, honest: Local) -> Outgoing {
+        let attack = match self.nodes[i].role {
+            Role::Honest | Role::Hostile(Attack::Withhold) => {
+                return Outgoing::Local {
+                    blob: honest.update.encode(),
+                    tokens: honest.tokens,
+                }
+            }
+            Role::Hostile(Attack::Silent) => return Outgoing::Nothing,
+            Role::Hostile(a) => a,
+        };
+        let layout = self.run.layout();
+        let k = self.run.optim.topk;
+        let mut rng = derive(&[self.sc.seed, i as u64, step, 0x686f_7374]);
+        let Local { update, tokens, .. } = honest;
+        let local = |u: SparseUpdate, tokens: u64| Outgoing::Local {
+            blob: u.encode(),
+            tokens,
+        };
+        let seen: Vec<&SparseUpdate> = self
+            .honest_updates
+            .get(&step)
+            .map(|v| v.iter().collect())
+            .unwrap_or_default();
+        match attack {
+            Attack::Withhold | Attack::Silent => unreachable!("handled above"),
+            Attack::Noise { scale } => local(
+                adversary::noise(&update, &layout, k, scale, &mut rng),
+                tokens,
+            ),
+            Attack::Signflip | Attack::Sybil { .. } => {
+                local(adversary::signflip(&update, &layout), tokens)
+            }
+            Attack::Scale { factor } => {
+                let t = (tokens as f64 * factor).min(u64::MAX as f64) as u64;
+                local(adversary::scale(&update, &layout, factor), t)
+            }
+            Attack::Alie { z } => local(adversary::alie(&update, &seen, &layout, k, z), tokens),
+            Attack::Ipm { epsilon } => {
+                local(adversary::ipm(&update, &seen, &layout, k, epsilon), tokens)
+            }
+            Attack::Zero => local(adversary::zero(&layout, k, update.codec), tokens),
+            Attack::Copier { noise } => {
+                let victim = if seen.is_empty() {
+                    update.clone()
+                } else {
+                    seen[rng.below(seen.len() as u64) as usize].clone()
+                };
+                local(adversary::copy(&victim, &layout, noise, &mut rng), tokens)
+            }
+            Attack::Stale { lag } => {
+                let old = step
+                    .checked_sub(lag)
+                    .and_then(|s| self.own_past.get(&(i, s)))
+                    .cloned()
+                    .unwrap_or(update);
+                local(old, tokens)
+            }
+            Attack::Equivocate => {
+                let flipped = adversary::signflip(&update, &layout);
+                let (a, fa) = self.forge(i, step, &update.encode(), tokens);
+                let (b, fb) = self.forge(i, step, &flipped.encode(), tokens);
+                // Alternate mesh peers get different versions; relays spread both.
+                let sends = self.nodes[i]
+                    .mesh
+                    .iter()
+                    .enumerate()
+                    .map(|(n, &j)| (j, if n % 2 == 0 { a.1.clone() } else { b.1.clone() }))
+                    .collect();
+                Outgoing::Forged {
+                    sends,
+                    serve: vec![(a.0, fa), (b.0, fb)],
+                }
+            }
+            Attack::Malformed => {
+                let m = Malformation::for_step(step);
+                let (frame, serve) = if m.frame_level() {
+                    let max = self.run.limits.max_message_bytes as usize;
+                    (adversary::bad_frame(m, max, &mut rng), Vec::new())
+                } else {
+                    let blob = adversary::bad_blob(m, &update, &layout);
+                    let ((id, ann), upd) = self.forge(i, step, &blob, tokens);
+                    (ann, vec![(id, upd)])
+                };
+                let sends = self.nodes[i]
+                    .mesh
+                    .iter()
+                    .map(|&j| (j, frame.clone()))
+                    .collect();
+                Outgoing::Forged { sends, serve }
+            }
+        }
+    }
+
+    /// A header for `blob` signed by node `i`'s current identity: ((blob id, announce frame),
+    /// fetch response frame).
+    fn forge(
+        &mut self,
+        i: usize,
+        step: u64,
+        blob: &[u8],
+        tokens: u64,
+    ) -> ((ContentId, Vec<u8>), Vec<u8>) {
+        let n = &self.nodes[i];
+        let me = identity(self.sc.seed, i + 100_000 * n.incarnation as usize);
+        let base = n
+            .engine
+            .as_ref()
+            .map(|e| {
+                let st = e.status();
+                (st.version, st.digest)
+            })
+            .unwrap_or_default();
+        let (run_id, bits) = (self.run_id, self.run.defence.pow_bits);
+        let pow = *self
+            .pow
+            .entry(n.id)
+            .or_insert_with(|| crypto::pow::solve(&run_id.0, &me.node_id(), bits));
+        let (id, ann, upd) =
+            adversary::forge(&self.run, self.run_id, &me, pow, step, base, blob, tokens);
+        ((id, ann), upd)
+    }
+
+    /// An attacker publishes for `step` (at its publication time): through its engine, or by
+    /// sending forged frames to its mesh peers.
+    fn publish(&mut self, i: usize, step: u64, local: Local, now: Micros) {
+        match self.outgoing(i, step, local) {
+            Outgoing::Nothing => {}
+            Outgoing::Local { blob, tokens } => {
+                self.nodes[i].arrivals.insert(ContentId::of(&blob), now);
+                self.deliver(i, Event::LocalUpdate { step, blob, tokens }, now);
+            }
+            Outgoing::Forged { sends, serve } => {
+                *self.produced.entry(step).or_default() += 1;
+                self.adv.hostile_published += 1;
+                for (id, frame) in serve {
+                    self.forged.insert(id, (step, frame));
+                }
+                for (j, frame) in sends {
+                    let id = ContentId::of(&frame);
+                    self.nodes[i].seen.insert(id);
+                    if let Ok(at) = self.net.send(i, j, frame.len() as u64, now) {
+                        let ev = Ev::Gossip {
+                            node: j,
+                            from: i,
+                            id,
+                            bytes: Arc::new(frame),
+                        };
+                        self.q.push(at, ev);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Node `i` drops its mesh link to `j` (it banned `j`) and, if its mesh fell below half
+    /// its degree, grafts random live peers it has not banned (gossipsub's `mesh_n_low`).
+    fn unlink(&mut self, i: usize, j: usize, now: Micros) {
+        self.nodes[i].mesh.remove(&j);
+        self.nodes[j].mesh.remove(&i);
+        let low = self.sc.gossip.mesh_degree.div_ceil(2);
+        let n = self.nodes.len();
+        let mut tries = 0;
+        while self.nodes[i].mesh.len() < low && tries < 4 * n {
+            tries += 1;
+            let c = self.rng.below(n as u64) as usize;
+            let ok = c != i
+                && c != j
+                && self.nodes[c].alive
+                && !self.nodes[i].mesh.contains(&c)
+                && self.nodes[i]
+                    .engine
+                    .as_ref()
+                    .is_some_and(|e| !e.is_banned(&self.nodes[c].id));
+            if ok {
+                self.nodes[i].mesh.insert(c);
+                self.nodes[c].mesh.insert(i);
+                let (pi, pc) = (self.nodes[i].id, self.nodes[c].id);
+                let ev = |node, peer| Ev::Engine {
+                    node,
+                    ev: Event::PeerConnected { peer },
+                };
+                self.q.push(now, ev(i, pc));
+                self.q.push(now, ev(c, pi));
+            }
+        }
+    }
+
+    /// A fresh identity (a Sybil's next one) connects to `mesh_degree` random live peers, as
+    /// a joiner does.
+    fn regraft(&mut self, i: usize) {
+        let old: Vec<usize> = self.nodes[i].mesh.iter().copied().collect();
+        for j in old {
+            self.nodes[j].mesh.remove(&i);
+        }
+        self.nodes[i].mesh.clear();
+        let mut pick: Vec<usize> = (0..self.nodes.len())
+            .filter(|&j| j != i && self.nodes[j].alive)
+            .collect();
+        self.rng.shuffle(&mut pick);
+        for &j in pick.iter().take(self.sc.gossip.mesh_degree) {
+            self.nodes[i].mesh.insert(j);
+            self.nodes[j].mesh.insert(i);
+        }
+    }
+
+    /// Step boundary bookkeeping: Sybils take fresh identities; old attacker state is dropped.
+    fn step_mark(&mut self, s: u64) {
+        for i in 0..self.nodes.len() {
+            if let Role::Hostile(Attack::Sybil { every }) = self.nodes[i].role {
+                if s > 0 && s.is_multiple_of(every) && self.nodes[i].alive {
+                    let c = self.nodes[i].compute_ms;
+                    self.spawn(i, c, None);
+                    self.regraft(i);
+                    self.connect_mesh(i);
+                }
+            }
+        }
+        let keep = s.saturating_sub(self.run.limits.past_steps as u64 + 2);
+        self.forged.retain(|_, (step, _)| *step >= keep);
+        self.honest_updates = self.honest_updates.split_off(&s.saturating_sub(1));
+        let lag = self
+            .sc
+            .attackers
+            .iter()
+            .filter_map(|a| match a.attack {
+                Attack::Stale { lag } => Some(lag),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        self.own_past.retain(|(_, step), _| step + lag + 1 >= s);
     }
 
     fn apply(
@@ -703,11 +1171,17 @@ impl World {
                             .expect("the engine validated it")
                     })
                     .collect();
-                let p = Arc::new(self.trainer.apply(step, &self.nodes[i].params, &decoded));
-                let d = params_digest(&p);
-                self.losses
-                    .entry(d)
-                    .or_insert_with(|| self.trainer.loss(&p));
+                let set: Vec<(&SparseUpdate, u64)> = decoded
+                    .iter()
+                    .zip(&updates)
+                    .map(|(d, u)| (d, u.tokens))
+                    .collect();
+                let p = Arc::new(self.trainer.apply_round(step, &self.nodes[i].params, &set));
+                let d = self.trainer.digest(&p);
+                if !self.losses.contains_key(&d) {
+                    let l = self.trainer.eval(&p);
+                    self.losses.insert(d, l);
+                }
                 self.cache.retain(|_, (s, _, _)| *s + 3 > step);
                 self.cache.insert(key, (step, p.clone(), d));
                 (p, d)
@@ -723,11 +1197,18 @@ impl World {
         n.arrivals.retain(|_, t| *t + 4 * 1000 * 1000 * 60 > now);
         n.params = params;
         n.digest = digest;
+        let honest = n.role == Role::Honest;
+        let hostile = updates
+            .iter()
+            .filter(|u| self.hostile_ids.contains(&u.sender))
+            .count() as u32;
         self.applied.push(Applied {
             step,
             digest,
             included: updates.len() as u32,
             latency_ms,
+            honest,
+            hostile,
         });
         self.q.push(
             now + 1000,
@@ -738,9 +1219,44 @@ impl World {
         );
     }
 
-    fn metrics(self) -> Metrics {
-        let sc = &self.sc;
-        let mut base = AdamBaseline::new(self.trainer.init(), sc.optim.adamw_lr, 0.0);
+    fn adversary_stats(&self) -> Adversary {
+        let mut a = self.adv.clone();
+        a.hostile_nodes = self.nodes.iter().filter(|n| n.role != Role::Honest).count() as u32;
+        a.hostile_identities = self.hostile_ids.len() as u32;
+        let honest: Vec<&Applied> = self.applied.iter().filter(|x| x.honest).collect();
+        let k = honest.len().max(1) as f64;
+        a.hostile_included = honest.iter().map(|x| x.hostile as u64).sum();
+        a.hostile_included_per_apply = a.hostile_included as f64 / k;
+        a.honest_included_per_apply = honest
+            .iter()
+            .map(|x| (x.included - x.hostile) as f64)
+            .sum::<f64>()
+            / k;
+        let mut by_step: BTreeMap<u64, (BTreeSet<Digest>, u32)> = BTreeMap::new();
+        for x in &honest {
+            let e = by_step.entry(x.step).or_default();
+            e.0.insert(x.digest);
+            e.1 += x.hostile;
+        }
+        a.honest_disagree_steps = by_step.values().filter(|e| e.0.len() > 1).count() as u32;
+        let last_hostile = by_step.iter().filter(|e| e.1 .1 > 0).map(|e| *e.0).max();
+        let last = by_step.keys().next_back().copied();
+        a.excluded_from_step = match (last_hostile, last) {
+            (None, _) => Some(0),
+            (Some(h), Some(l)) if h < l => Some(h + 1),
+            _ => None,
+        };
+        a
+    }
+
+    fn metrics(mut self) -> Result<Metrics, SimError> {
+        let sc = self.sc.clone();
+        // Without a baseline its column is NaN (null in the JSON; the plot leaves it out).
+        let baseline = if sc.trainer.baseline || sc.trainer.kind == TrainerKind::Synthetic {
+            self.trainer.baseline(sc.steps, sc.nodes())?
+        } else {
+            vec![f64::NAN; sc.steps as usize]
+        };
         let mut by_step: BTreeMap<u64, Vec<&Applied>> = BTreeMap::new();
         for a in &self.applied {
             by_step.entry(a.step).or_default().push(a);
@@ -748,7 +1264,6 @@ impl World {
         let mut all_lat = Vec::new();
         let mut rows = Vec::new();
         for s in 0..sc.steps {
-            base.step(&self.trainer, s, sc.nodes());
             let v = by_step.get(&s).cloned().unwrap_or_default();
             let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
             for a in &v {
@@ -776,7 +1291,12 @@ impl World {
             rows.push(StepMetrics {
                 step: s,
                 loss: maj.and_then(|(d, _)| self.losses.get(d).copied()),
-                baseline_loss: self.trainer.loss(&base.params),
+                train_loss: self
+                    .train_losses
+                    .get(&s)
+                    .map(|&(sum, n)| sum / n.max(1) as f64),
+                digest: maj.map_or(String::new(), |(d, _)| d.to_hex()),
+                baseline_loss: baseline.get(s as usize).copied().unwrap_or(f64::NAN),
                 applied_nodes: v.len() as u32,
                 agree: maj.map_or(0.0, |(_, c)| *c as f64 / v.len() as f64),
                 produced,
@@ -799,21 +1319,24 @@ impl World {
             seed: sc.seed,
             nodes: self.nodes.len(),
             update_bytes: encoded_size(
-                &self.trainer.layout,
-                sc.optim.topk,
-                protocol::config::ValueCodec::Sign,
+                self.trainer.layout(),
+                self.run.optim.topk,
+                self.run.optim.values,
             ) as u64
                 + self.wire_extra,
             steps: rows,
             ..Default::default()
         };
-        m.totals.initial_loss = self.trainer.loss(&self.trainer.init());
+        m.totals.initial_loss = self.losses.get(&self.genesis).copied().unwrap_or(f64::NAN);
         m.totals.desyncs = self.desyncs;
         m.totals.rejected = self.rejected;
         m.totals.messages = self.net.messages;
         m.totals.lost = self.net.lost;
         m.totals.events = self.events;
         finish(&mut m, &mut all_lat);
-        m
+        if !self.sc.attackers.is_empty() || !self.run.defence.is_off() {
+            m.adversary = Some(self.adversary_stats());
+        }
+        Ok(m)
     }
 }

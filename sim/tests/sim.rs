@@ -2,7 +2,7 @@
 //! scales, and the same seed gives byte-identical metrics.
 
 use sim::net::LinkProfile;
-use sim::scenario::{Attacker, Fault, Mode, NodeClass, Policy, Scenario};
+use sim::scenario::{Attack, Attacker, Fault, Mode, NodeClass, Policy, Scenario};
 
 fn fast_link() -> LinkProfile {
     LinkProfile {
@@ -104,7 +104,7 @@ fn partition_heals_and_withholders_are_left_out() {
         lo: 0,
         hi: 3,
     }];
-    sc.attackers = vec![Attacker::Withhold { nodes: vec![7] }];
+    sc.attackers = vec![Attacker::nodes(Attack::Withhold, vec![7])];
     let m = run(&sc);
     let last = m.steps.last().unwrap();
     // After healing, every honest update is included again; the withheld one never is.
