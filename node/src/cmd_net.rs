@@ -4,8 +4,23 @@
 //!
 //! Time given to the engine is unix milliseconds: the run's step clock is wall-clock time, the
 //! same on every machine up to skew (which the run's grace absorbs).
+//!
+//! Checkpoints, both ways:
+//! * Serving: after every applied step the trainer hands over a [`Snapshot`] of the parameters
+//!   (they change only when a step is applied); the newest [`KEEP_SNAPSHOTS`] are kept with a
+//!   signed manifest each, so a joiner's chunk requests keep reading one consistent version
+//!   while training goes on. Only a synced node serves, and it serves the *oldest* kept
+//!   version at least the one asked for, so peers a step apart still hand out the same one.
+//! * Joining: the engine's `RequestCheckpoint` starts a [`CheckpointDownload`] (manifests from
+//!   up to four of the attesting peers, two of which must agree, chunks spread across those
+//!   and verified one by one); the tensors go to the trainer, and `CheckpointLoaded` goes to
+//!   the engine, which syncs only if the swarm attested that (version, digest). Servers that
+//!   provably lied are banned (blacklisted in gossipsub, disconnected, refused thereafter).
+//! * `--checkpoint-dir`: see `trainer` for the crash-safe writes; on start the newest
+//!   checkpoint that loads is resumed, and if the swarm has moved past it the engine fetches a
+//!   newer one from peers as above.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,14 +35,18 @@ use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
-use node::net::{self, Behaviour, BehaviourEvent, NetConfig, RateLimit, Request};
+use node::net::{
+    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
+};
 use prometheus_client::metrics::gauge::Gauge;
+use protocol::checkpoint::CheckpointChunk;
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::RunConfig;
+use protocol::wire::Message;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::trainer::{self, Cmd, Reply, Trainer};
+use crate::trainer::{self, Cmd, Reply, Snapshot, Trainer};
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -65,9 +84,14 @@ pub struct RunArgs {
     /// The data file for runs that train on a file (synthetic runs need none).
     #[arg(long)]
     pub data: Option<String>,
-    /// Where to keep checkpoints.
+    /// Where to keep checkpoints (`v{VERSION}.safetensors`, the newest two). On start, the
+    /// newest one is resumed (use the same --key); a node behind the swarm then fetches a newer
+    /// checkpoint from its peers.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every N applied steps (with --checkpoint-dir).
+    #[arg(long, default_value_t = 1)]
+    pub checkpoint_every: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
@@ -194,6 +218,10 @@ pub struct StatusLine {
     pub t_ms: u64,
     pub rejected: u64,
     pub fetches: u64,
+    /// Tokens this node's own update for the step claimed (0: it sent none).
+    pub tokens: u64,
+    /// Tokens of all the updates applied in the step, as their headers state them.
+    pub included_tokens: u64,
 }
 
 struct Gauges {
@@ -209,6 +237,17 @@ struct Gauges {
 const MAX_TAGS: usize = 4096;
 /// Trainer command queue: a step's Train plus Applies in flight.
 const TRAINER_QUEUE: usize = 8;
+/// Parameter versions kept for serving checkpoints: a download in progress keeps reading its
+/// version for two more steps.
+pub const KEEP_SNAPSHOTS: usize = 3;
+/// Chunk size of served checkpoints: several chunks even for `tiny`, so a download spreads
+/// over its servers, and each well inside one request timeout on a slow link.
+const CHUNK_BYTES: u32 = 512 * 1024;
+/// Models up to this many parameters are snapshotted after every step; bigger ones only after
+/// a peer asked for a manifest recently (a copy per step would cost real time).
+const SNAPSHOT_EVERY_STEP_PARAMS: i64 = 16 << 20;
+/// Outstanding checkpoint requests (manifests + chunks) of the one download.
+const MAX_CKPT_REQUESTS: usize = 64;
 
 struct Node {
     engine: Engine,
@@ -232,7 +271,29 @@ struct Node {
     steps: Option<u64>,
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
+    ckpt_every: u64,
     name: String,
+    /// Signs served manifests (the engine holds its own copy of the identity).
+    id: Identity,
+    /// Served versions, oldest first: the snapshot and its encoded `Message::Manifest`.
+    snapshots: VecDeque<(Arc<Snapshot>, Vec<u8>)>,
+    /// The model's tensors (name, shape), for checking manifests.
+    layout: Vec<(String, Vec<u32>)>,
+    params: i64,
+    snapshot_until: u64,
+    download: Option<CheckpointDownload>,
+    ckpt_requests: HashMap<request_response::OutboundRequestId, (NodeId, Request)>,
+    /// A checkpoint request waiting out the back-off after a failed download.
+    ckpt_pending: Option<(u64, u64, Vec<NodeId>)>,
+    ckpt_retry_at: u64,
+    /// The tensors handed to the trainer: (version, digest, servers, the request's peers).
+    loading: Option<(u64, Digest, Vec<NodeId>, Vec<NodeId>, u64)>,
+    /// The last checkpoint request: its min version and the peers that attested it.
+    ckpt_asked: (u64, Vec<NodeId>),
+    /// Peers banned for serving provably bad checkpoints.
+    banned: HashSet<PeerId>,
+    /// Per step: (own tokens, tokens of the applied set).
+    tokens: BTreeMap<u64, (u64, u64)>,
 }
 
 impl Node {
@@ -301,21 +362,29 @@ impl Node {
                 self.fetches.insert(r, (peer, blob));
             }
             Action::RequestCheckpoint { min_version, peers } => {
-                // Checkpoint transfer is not wired yet: report failure so the engine retries
-                // later instead of waiting forever.
-                tracing::warn!(
-                    min_version,
-                    peers = peers.len(),
-                    "checkpoint requested; transfer not implemented yet"
-                );
-                self.feed(Event::CheckpointFailed);
+                let now = now_ms();
+                if now < self.ckpt_retry_at {
+                    // Right after a failure every peer would give the same answer: back off.
+                    self.ckpt_pending = Some((self.ckpt_retry_at, min_version, peers));
+                } else {
+                    self.start_download(min_version, peers, now);
+                }
             }
             Action::StartStep { step, .. } => {
                 if self.done_at.is_none() {
                     self.to_trainer(Cmd::Train { step });
                 }
             }
-            Action::Apply { step, updates } => self.to_trainer(Cmd::Apply { step, updates }),
+            Action::Apply { step, .. } if self.steps.is_some_and(|n| step >= n) => {
+                // Past the run's last step (`--steps`): the node is winding down, and applying
+                // would move its parameters (and last checkpoint) past the version it reports.
+                tracing::debug!(step, "past the last step: not applied");
+            }
+            Action::Apply { step, updates } => {
+                let t: u64 = updates.iter().map(|u| u.tokens).sum();
+                self.tokens.entry(step).or_default().1 = t;
+                self.to_trainer(Cmd::Apply { step, updates })
+            }
             Action::Penalize { peer, reason, .. } => {
                 tracing::info!(%peer, %reason, "penalized");
                 let s = self.engine.score(&peer) as f64;
@@ -331,6 +400,9 @@ impl Node {
                 let _ = self.swarm.disconnect_peer_id(p);
             }
             Action::SetTimer { at } => self.timer = Some(at),
+            // Spot checks need the trainer's evaluation; the node shell does not run them yet
+            // (runs that enable them rely on the nodes that do).
+            Action::SpotCheck { .. } => {}
             Action::Report(r) => match r {
                 Report::StepApplied {
                     step,
@@ -341,6 +413,14 @@ impl Node {
                     tracing::debug!(step, included, listed, missing, "step set decided")
                 }
                 Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
+                Report::Synced { version, digest } => {
+                    tracing::info!(version, digest = %&digest.to_hex()[..12], "synced")
+                }
+                Report::CheckpointUnattested { version, digest } => tracing::warn!(
+                    version,
+                    digest = %&digest.to_hex()[..12],
+                    "the loaded checkpoint was never attested by a quorum; asking again"
+                ),
                 Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
                 other => tracing::info!("{other:?}"),
             },
@@ -356,6 +436,9 @@ impl Node {
                         .clone()
                         .with(Protocol::P2p(*self.swarm.local_peer_id()))
                 );
+            }
+            SwarmEvent::ConnectionEstablished { peer_id, .. } if self.banned.contains(&peer_id) => {
+                let _ = self.swarm.disconnect_peer_id(peer_id);
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
@@ -438,7 +521,7 @@ impl Node {
                 request_response::Message::Request {
                     request, channel, ..
                 } => {
-                    if !self.rate.allow(peer, now_ms()) {
+                    if self.banned.contains(&peer) || !self.rate.allow(peer, now_ms()) {
                         // Dropping the channel tells the peer we refused.
                         return;
                     }
@@ -454,6 +537,8 @@ impl Node {
                             Vec::new()
                         }
                         Request::Blob(id) => self.engine.serve_update(&id).unwrap_or_default(),
+                        Request::Manifest { min_version } => self.serve_manifest(min_version),
+                        Request::Chunk { version, index } => self.serve_chunk(version, index),
                     };
                     let _ = self.swarm.behaviour_mut().rr.send_response(channel, resp);
                 }
@@ -461,6 +546,14 @@ impl Node {
                     request_id,
                     response,
                 } => {
+                    if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
+                        let acts = match &mut self.download {
+                            Some(d) => d.on_response(from, &req, &response, now_ms()),
+                            None => Vec::new(),
+                        };
+                        self.on_download(acts);
+                        return;
+                    }
                     if let Some((from, blob)) = self.fetches.remove(&request_id) {
                         if response.is_empty() {
                             self.feed(Event::FetchFailed { from, blob });
@@ -477,6 +570,15 @@ impl Node {
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
+                if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
+                    tracing::debug!(%from, %error, ?req, "checkpoint request failed");
+                    let acts = match &mut self.download {
+                        Some(d) => d.on_failure(from, &req, now_ms()),
+                        None => Vec::new(),
+                    };
+                    self.on_download(acts);
+                    return;
+                }
                 if let Some((from, blob)) = self.fetches.remove(&request_id) {
                     tracing::debug!(%from, %error, "fetch failed");
                     self.feed(Event::FetchFailed { from, blob });
@@ -489,6 +591,8 @@ impl Node {
     fn on_trainer(&mut self, r: Reply) -> Result<()> {
         match r {
             Reply::Ready { .. } => {}
+            Reply::Snapshot(snap) => self.add_snapshot(snap),
+            Reply::Loaded { version, digest } => self.on_loaded(version, digest),
             Reply::Trained {
                 step,
                 blob,
@@ -502,6 +606,10 @@ impl Node {
                     self.losses.pop_first();
                 }
                 self.gauges.loss.set(loss);
+                self.tokens.entry(step).or_default().0 = tokens;
+                while self.tokens.len() > 64 {
+                    self.tokens.pop_first();
+                }
                 self.feed(Event::LocalUpdate { step, blob, tokens });
             }
             Reply::Applied {
@@ -510,30 +618,273 @@ impl Node {
                 ms,
                 included,
             } => {
+                // Queued before the engine hears of it (it may answer with the next Apply at
+                // once, while catching up); the trainer labels both with the version it holds.
+                let last = self.steps.is_some_and(|n| step + 1 == n);
+                if let Some(dir) = self.ckpt_dir.clone() {
+                    if (step + 1) % self.ckpt_every.max(1) == 0 || last {
+                        self.to_trainer(Cmd::Save { dir });
+                    }
+                }
+                if self.params <= SNAPSHOT_EVERY_STEP_PARAMS || now_ms() < self.snapshot_until {
+                    self.to_trainer(Cmd::Snapshot);
+                }
                 self.feed(Event::Applied {
                     step,
                     digest: Digest(digest),
                 });
                 self.write_status(step, Digest(digest), ms, included)?;
-                if let Some(n) = self.steps {
-                    if step + 1 >= n && self.done_at.is_none() {
-                        self.done_at = Some(now_ms() + 2 * self.engine.run().timing.period_ms);
-                        if let Some(dir) = self.ckpt_dir.clone() {
-                            std::fs::create_dir_all(&dir)?;
-                            let path = dir.join(format!("v{}.safetensors", step + 1));
-                            self.to_trainer(Cmd::Save {
-                                version: step + 1,
-                                path,
-                            });
-                        }
-                    }
+                if last && self.done_at.is_none() {
+                    self.done_at = Some(now_ms() + 2 * self.engine.run().timing.period_ms);
                 }
             }
-            Reply::Saved { version, path } => tracing::info!(version, "saved {}", path.display()),
+            Reply::Saved { version, path } => match path {
+                Ok(p) => tracing::debug!(version, "saved {}", p.display()),
+                Err(e) => tracing::warn!(version, "checkpoint not written: {e}"),
+            },
             Reply::Failed(e) => bail!("trainer: {e}"),
         }
         self.flush_trainer();
         Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // checkpoints (see the module docs)
+
+    fn add_snapshot(&mut self, snap: Arc<Snapshot>) {
+        if self.layout.is_empty() {
+            self.layout = snap
+                .tensors
+                .iter()
+                .map(|(n, s, _)| (n.clone(), s.clone()))
+                .collect();
+        }
+        if self
+            .snapshots
+            .back()
+            .is_some_and(|(s, _)| s.version >= snap.version)
+        {
+            // A reload to an older version (a resync): what we served is no longer ours.
+            if self
+                .snapshots
+                .back()
+                .is_some_and(|(s, _)| s.version > snap.version)
+            {
+                self.snapshots.clear();
+            } else {
+                return;
+            }
+        }
+        let chunk = CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32);
+        let m = net::build_manifest(
+            &self.id,
+            self.engine.run_id(),
+            snap.version,
+            chunk,
+            &snap.tensors,
+        );
+        if m.body.digest.0 != snap.digest {
+            // The trainer's digest and the manifest's are computed the same way; a mismatch is
+            // a bug, and serving it would get this node banned by every joiner.
+            tracing::error!(version = snap.version, "snapshot digest mismatch: not serving it");
+            return;
+        }
+        let frame = Message::Manifest(m).encode();
+        if frame.len() as u64 > self.engine.run().limits.max_manifest_bytes as u64 {
+            tracing::warn!(
+                bytes = frame.len(),
+                "manifest over the run's max_manifest_bytes: not serving checkpoints"
+            );
+            return;
+        }
+        self.snapshots.push_back((snap, frame));
+        while self.snapshots.len() > KEEP_SNAPSHOTS {
+            self.snapshots.pop_front();
+        }
+    }
+
+    /// Serve only what this node stands behind: it is synced, and the version is one it
+    /// applied (or loaded) and the engine still holds as its history.
+    fn serving(&self) -> bool {
+        self.engine.status().synced
+    }
+
+    fn serve_manifest(&mut self, min_version: u64) -> Vec<u8> {
+        if !self.serving() {
+            return Vec::new();
+        }
+        let now = now_ms();
+        let found = self
+            .snapshots
+            .iter()
+            .find(|(s, _)| s.version >= min_version)
+            .map(|(_, f)| f.clone());
+        if found.is_none() && self.params > SNAPSHOT_EVERY_STEP_PARAMS {
+            // Someone is joining: keep snapshots for a while so its retry finds one.
+            self.snapshot_until = now + 20 * self.engine.run().timing.period_ms;
+            self.to_trainer(Cmd::Snapshot);
+        }
+        found.unwrap_or_default()
+    }
+
+    fn serve_chunk(&self, version: u64, index: u32) -> Vec<u8> {
+        if !self.serving() {
+            return Vec::new();
+        }
+        let Some((snap, _)) = self.snapshots.iter().find(|(s, _)| s.version == version) else {
+            return Vec::new();
+        };
+        let chunk =
+            CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32) as u64;
+        let total: u64 = snap.tensors.iter().map(|(_, _, b)| b.len() as u64).sum();
+        let start = index as u64 * chunk;
+        if start >= total {
+            return Vec::new();
+        }
+        let data = snap.stream_range(start, chunk.min(total - start));
+        Message::Chunk(CheckpointChunk {
+            run: self.engine.run_id(),
+            version,
+            index,
+            data,
+        })
+        .encode()
+    }
+
+    fn start_download(&mut self, min_version: u64, peers: Vec<NodeId>, now: u64) {
+        if self.download.as_ref().is_some_and(|d| !d.finished()) || self.loading.is_some() {
+            return;
+        }
+        let peers: Vec<NodeId> = peers
+            .into_iter()
+            .filter(|p| !self.banned.contains(&net::peer_id(p)))
+            .collect();
+        let t = &self.engine.run().timing;
+        let (manifest_ms, total_ms) = (t.period_ms.max(1000), 6 * t.period_ms.max(1000));
+        tracing::info!(min_version, peers = peers.len(), "requesting a checkpoint");
+        self.ckpt_asked = (min_version, peers.clone());
+        let (d, acts) = CheckpointDownload::start(
+            self.engine.run_id(),
+            self.engine.run().limits.clone(),
+            self.layout.clone(),
+            min_version,
+            &peers,
+            now,
+            manifest_ms,
+            total_ms,
+        );
+        self.download = Some(d);
+        self.on_download(acts);
+    }
+
+    fn on_download(&mut self, acts: Vec<DlAction>) {
+        for a in acts {
+            match a {
+                DlAction::Ask { peer, request } => {
+                    if self.ckpt_requests.len() >= MAX_CKPT_REQUESTS {
+                        // Bounded; the download's deadline turns this into a failure.
+                        continue;
+                    }
+                    let id = self
+                        .swarm
+                        .behaviour_mut()
+                        .rr
+                        .send_request(&net::peer_id(&peer), request.clone());
+                    self.ckpt_requests.insert(id, (peer, request));
+                }
+                DlAction::Ban { peer, reason } => self.ban(peer, &reason),
+                DlAction::Done {
+                    version,
+                    digest,
+                    tensors,
+                    servers,
+                } => {
+                    let asked = self.ckpt_asked.1.clone();
+                    self.loading = Some((version, digest, servers, asked, self.ckpt_asked.0));
+                    self.to_trainer(Cmd::Load { version, tensors });
+                }
+                DlAction::Failed { reason } => {
+                    tracing::warn!("checkpoint download failed: {reason}");
+                    self.download_failed();
+                }
+            }
+        }
+    }
+
+    fn download_failed(&mut self) {
+        self.ckpt_requests.clear();
+        self.ckpt_retry_at = now_ms() + self.engine.run().timing.period_ms / 2;
+        self.feed(Event::CheckpointFailed);
+    }
+
+    /// A provably bad checkpoint server: banned here for good, and reported.
+    fn ban(&mut self, peer: NodeId, reason: &str) {
+        tracing::warn!(%peer, reason, "banned: bad checkpoint");
+        let p = net::peer_id(&peer);
+        self.banned.insert(p);
+        self.swarm.behaviour_mut().gossipsub.blacklist_peer(&p);
+        let _ = self.swarm.disconnect_peer_id(p);
+    }
+
+    fn on_loaded(&mut self, version: u64, digest: Result<[u8; 32], String>) {
+        let Some((want_v, want_d, servers, asked, min_version)) = self.loading.take() else {
+            return;
+        };
+        match digest {
+            Ok(d) if version == want_v && Digest(d) == want_d => {
+                self.feed(Event::CheckpointLoaded {
+                    version,
+                    digest: want_d,
+                });
+                let synced = self.engine.status().synced;
+                tracing::info!(
+                    version,
+                    digest = %&want_d.to_hex()[..12],
+                    servers = servers.len(),
+                    synced,
+                    "checkpoint loaded"
+                );
+                if !synced && version == min_version {
+                    // Each of these servers attested (min_version, d) in a signed summary and
+                    // then signed a manifest of min_version with another digest: banned.
+                    for s in servers.iter().filter(|s| asked.contains(s)) {
+                        self.ban(*s, "signed a manifest against its own attested digest");
+                    }
+                }
+                self.to_trainer(Cmd::Snapshot);
+                if let Some(dir) = self.ckpt_dir.clone() {
+                    self.to_trainer(Cmd::Save { dir });
+                }
+            }
+            Ok(_) => {
+                tracing::warn!(
+                    version,
+                    "loaded checkpoint digest differs from its manifest"
+                );
+                self.download_failed();
+            }
+            Err(e) => {
+                tracing::warn!(version, "checkpoint did not load: {e}");
+                self.download_failed();
+            }
+        }
+    }
+
+    /// Checkpoint deadlines and the back-off; called from the loop's periodic tick.
+    fn tick_checkpoints(&mut self) {
+        let now = now_ms();
+        if let Some(d) = &mut self.download {
+            let acts = d.tick(now);
+            self.on_download(acts);
+        }
+        if self
+            .ckpt_pending
+            .as_ref()
+            .is_some_and(|(at, _, _)| now >= *at)
+        {
+            let (_, v, peers) = self.ckpt_pending.take().expect("checked");
+            self.start_download(v, peers, now);
+        }
     }
 
     fn write_status(
@@ -550,6 +901,7 @@ impl Node {
         );
         self.last_bw = bw;
         let m = self.engine.metrics().clone();
+        let (tokens, included_tokens) = self.tokens.get(&step).copied().unwrap_or((0, 0));
         let (loss, train_ms) = self
             .losses
             .get(&step)
@@ -575,6 +927,8 @@ impl Node {
             t_ms: now_ms(),
             rejected: m.rejected,
             fetches: m.fetches,
+            tokens,
+            included_tokens,
         };
         tracing::info!(
             step,
@@ -630,6 +984,38 @@ async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registr
     }
 }
 
+/// The trainer, resumed from the newest checkpoint in `dir` that loads (older ones are tried
+/// if the newest does not; temp files of an interrupted save are removed).
+fn make_trainer(
+    run: &RunConfig,
+    corpus: train::data::Corpus,
+    me: &NodeId,
+    batch: usize,
+    device: tch::Device,
+    dir: Option<&std::path::Path>,
+) -> Result<Trainer> {
+    let mut t = Trainer::new(run, corpus, me.0.to_vec(), batch, device)?;
+    if let Some(dir) = dir {
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.filter_map(|e| e.ok()) {
+                if e.path().extension().is_some_and(|x| x == "tmp") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        for (v, p) in trainer::list_checkpoints(dir) {
+            match t.resume(v, &p) {
+                Ok(()) => {
+                    tracing::info!(version = v, "resuming from {}", p.display());
+                    break;
+                }
+                Err(e) => tracing::warn!("{}: {e:#}; trying an older checkpoint", p.display()),
+            }
+        }
+    }
+    Ok(t)
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     let run = load_run(&a.run, a.genesis_ms)?;
     let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
@@ -650,17 +1036,39 @@ pub fn run(a: RunArgs) -> Result<()> {
     let me = id.node_id();
     let (cmd_tx, cmd_rx) = mpsc::channel::<Cmd>(TRAINER_QUEUE);
     let (rep_tx, mut rep_rx) = mpsc::channel::<Reply>(TRAINER_QUEUE);
-    let trainer = Trainer::new(&run, corpus, me.0.to_vec(), batch, device, None)?;
+    let trainer = make_trainer(
+        &run,
+        corpus,
+        &me,
+        batch,
+        device,
+        a.checkpoint_dir.as_deref(),
+    )?;
     std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || trainer.serve(cmd_rx, rep_tx))?;
 
     runtime()?.block_on(async move {
-        let genesis = match rep_rx.recv().await {
-            Some(Reply::Ready { digest, params }) => {
-                tracing::info!(params, digest = %Digest(digest).to_hex(), "model ready");
-                Digest(digest)
+        let (genesis, params, resumed) = match rep_rx.recv().await {
+            Some(Reply::Ready {
+                digest,
+                params,
+                version,
+            }) => {
+                tracing::info!(params, version, digest = %Digest(digest).to_hex(), "model ready");
+                (Digest(digest), params, version)
             }
+            Some(Reply::Failed(e)) => bail!("trainer: {e}"),
+            _ => bail!("trainer exited"),
+        };
+        // The first snapshot gives the model's layout (for checking manifests) and serves
+        // the version we start from.
+        cmd_tx
+            .send(Cmd::Snapshot)
+            .await
+            .map_err(|_| anyhow::anyhow!("trainer exited"))?;
+        let first = match rep_rx.recv().await {
+            Some(Reply::Snapshot(s)) => s,
             Some(Reply::Failed(e)) => bail!("trainer: {e}"),
             _ => bail!("trainer exited"),
         };
@@ -697,7 +1105,14 @@ pub fn run(a: RunArgs) -> Result<()> {
         let reg = Arc::new(Mutex::new(reg));
         let now = now_ms();
         let rng_seed = u64::from_le_bytes(me.0[8..16].try_into().expect("8 bytes")) ^ now;
-        let engine = Engine::new(run.clone(), id, Some(genesis), now, rng_seed);
+        // Only version 0 is the genesis; a resumed checkpoint is offered to the engine below.
+        let engine = Engine::new(
+            run.clone(),
+            Identity::from_seed(id.seed()),
+            (resumed == 0).then_some(genesis),
+            now,
+            rng_seed,
+        );
         if !engine.status().synced {
             tracing::warn!("started after step 0 was applied: joining (needs a checkpoint)");
         }
@@ -734,8 +1149,32 @@ pub fn run(a: RunArgs) -> Result<()> {
             steps: a.steps,
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
+            ckpt_every: a.checkpoint_every,
             name: me.peer_id_string(),
+            id,
+            snapshots: VecDeque::new(),
+            layout: Vec::new(),
+            params,
+            snapshot_until: 0,
+            download: None,
+            ckpt_requests: HashMap::new(),
+            ckpt_pending: None,
+            ckpt_retry_at: 0,
+            loading: None,
+            ckpt_asked: (0, Vec::new()),
+            banned: HashSet::new(),
+            tokens: BTreeMap::new(),
         };
+        node.add_snapshot(first);
+        if resumed > 0 && now < node.engine.run().timing.publish_deadline(resumed) {
+            // Restarted within the step after the one saved: the swarm will attest exactly
+            // this version, so no download is needed. Later, the engine asks peers for a
+            // newer one instead (the summaries to catch up from this one were never heard).
+            node.feed(Event::CheckpointLoaded {
+                version: resumed,
+                digest: genesis,
+            });
+        }
         node.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
         for l in &a.listen {
             node.swarm.listen_on(l.clone())?;
@@ -779,6 +1218,7 @@ pub fn run(a: RunArgs) -> Result<()> {
                 _ = tick.tick() => {
                     // Timers are idempotent: a periodic one guards against a lost wake-up.
                     node.feed(Event::Timer);
+                    node.tick_checkpoints();
                     node.flush_trainer();
                     if node.done_at.is_some_and(|d| now_ms() >= d) {
                         tracing::info!("reached {} steps; leaving", node.steps.unwrap_or(0));

@@ -3,17 +3,29 @@
 //! channels. It owns the model, the DeMo momentum and the codec; the loop owns the engine.
 //!
 //! Commands are handled strictly in order, so a `Train` queued after an `Apply` trains on the
-//! parameters that `Apply` produced: the thread never needs to know about versions.
+//! parameters that `Apply` produced. Parameters change only in `Apply` and `Load` (DeMo's
+//! training step touches the momentum, never the weights), so the thread tracks the version
+//! they hold (steps applied) itself: `Save` and `Snapshot` always describe exactly the
+//! parameters of the version they report, whatever else is queued around them.
+//!
+//! Checkpoints on disk (`--checkpoint-dir`) are `v{version}.safetensors`, written to a temp file,
+//! fsynced, renamed into place and the directory fsynced, so a `kill -9` at any instant leaves
+//! either the old set or the new one, never a torn file; only the newest [`KEEP_CHECKPOINTS`]
+//! are kept. The DeMo momentum is not part of a checkpoint: a node that loads one (from disk
+//! or from peers) starts with zero momentum, which changes only what it contributes next, never
+//! the parameters everyone applies.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
 use protocol::config::lr_at;
 use protocol::engine::Included;
 use protocol::run::{DataSpec as RunData, RunConfig};
 use protocol::sparse::{self, SparseUpdate};
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 use train::data::{Corpus, DataSpec};
 use train::demo::{apply_sign_step, DctCodec, DemoState};
 use train::model::Llama;
@@ -23,14 +35,56 @@ pub enum Cmd {
     Train { step: u64 },
     /// Apply exactly these updates (already validated, in the engine's order); answer `Applied`.
     Apply { step: u64, updates: Vec<Included> },
-    /// Save the parameters (a checkpoint of `version`) to `path`.
-    Save { version: u64, path: PathBuf },
+    /// Save the parameters (a checkpoint of the version they hold) into `dir` as
+    /// `v{version}.safetensors`, atomically, keeping the newest [`KEEP_CHECKPOINTS`].
+    Save { dir: PathBuf },
+    /// Answer `Snapshot` with a CPU copy of the parameters (for serving checkpoints).
+    Snapshot,
+    /// Replace the parameters with these tensors (model order, raw f32 little-endian bytes,
+    /// already verified against a manifest) as version `version`; zero the DeMo momentum.
+    Load { version: u64, tensors: Vec<Vec<u8>> },
+}
+
+/// Checkpoint files kept in `--checkpoint-dir`.
+pub const KEEP_CHECKPOINTS: usize = 2;
+
+/// The parameters of one version, as bytes: what a node serves to joiners. Shared, because a
+/// manifest and every chunk request of a download read the same copy while training goes on.
+pub struct Snapshot {
+    pub version: u64,
+    pub digest: [u8; 32],
+    /// (name, shape, raw f32 little-endian bytes), in model order.
+    pub tensors: Vec<(String, Vec<u32>, Vec<u8>)>,
+}
+
+impl Snapshot {
+    /// The byte range `[start, start + len)` of the concatenated tensor stream.
+    pub fn stream_range(&self, start: u64, len: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len as usize);
+        let end = start + len;
+        let mut off = 0u64;
+        for (_, _, b) in &self.tensors {
+            let (lo, hi) = (off, off + b.len() as u64);
+            if hi > start && lo < end {
+                let a = start.max(lo) - lo;
+                let z = end.min(hi) - lo;
+                out.extend_from_slice(&b[a as usize..z as usize]);
+            }
+            off = hi;
+            if off >= end {
+                break;
+            }
+        }
+        out
+    }
 }
 
 pub enum Reply {
     Ready {
         digest: [u8; 32],
         params: i64,
+        /// The version the parameters hold (0, or a checkpoint's when resuming).
+        version: u64,
     },
     Trained {
         step: u64,
@@ -45,9 +99,17 @@ pub enum Reply {
         ms: u64,
         included: usize,
     },
+    /// A checkpoint written (or why not: a full disk is the operator's problem, not a reason
+    /// to leave the run).
     Saved {
         version: u64,
-        path: PathBuf,
+        path: Result<PathBuf, String>,
+    },
+    Snapshot(Arc<Snapshot>),
+    /// The digest after loading, or why the tensors did not fit the model.
+    Loaded {
+        version: u64,
+        digest: Result<[u8; 32], String>,
     },
     Failed(String),
 }
@@ -90,6 +152,32 @@ pub struct Trainer {
     node: Vec<u8>,
     batch: usize,
     device: Device,
+    /// Steps applied to the parameters held (see the module docs).
+    version: u64,
+    snapshot: Option<Arc<Snapshot>>,
+}
+
+/// `v{N}.safetensors` → N.
+fn checkpoint_version(p: &Path) -> Option<u64> {
+    let name = p.file_name()?.to_str()?;
+    name.strip_prefix('v')?
+        .strip_suffix(".safetensors")?
+        .parse()
+        .ok()
+}
+
+/// Checkpoints in `dir`, newest first. Temp files of an interrupted save are not listed.
+pub fn list_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(u64, PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter_map(|p| checkpoint_version(&p).map(|v| (v, p)))
+        .collect();
+    v.sort_by(|a, b| b.0.cmp(&a.0));
+    v
 }
 
 impl Trainer {
@@ -99,14 +187,8 @@ impl Trainer {
         node: Vec<u8>,
         batch: usize,
         device: Device,
-        resume: Option<&std::path::Path>,
     ) -> Result<Trainer> {
-        let mut model = Llama::new(&run.model, device, run.seed);
-        if let Some(p) = resume {
-            model
-                .load(p)
-                .with_context(|| format!("loading {}", p.display()))?;
-        }
+        let model = Llama::new(&run.model, device, run.seed);
         let state = DemoState::new(&model.params);
         let codec = DctCodec::new(run.layout(), device);
         Ok(Trainer {
@@ -118,7 +200,125 @@ impl Trainer {
             node,
             batch,
             device,
+            version: 0,
+            snapshot: None,
         })
+    }
+
+    /// Resume from checkpoint file `path` of `version`. Every tensor is checked before any is
+    /// copied, so a refused file leaves the model as it was.
+    pub fn resume(&mut self, version: u64, path: &Path) -> Result<()> {
+        let map: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .into_iter()
+            .collect();
+        for (n, p) in self.model.names.iter().zip(&self.model.params) {
+            let t = map
+                .get(n)
+                .with_context(|| format!("{}: no tensor {n}", path.display()))?;
+            if t.size() != p.size() || t.kind() != Kind::Float {
+                anyhow::bail!("{}: {n} is {:?} {:?}", path.display(), t.kind(), t.size());
+            }
+        }
+        self.model
+            .load(path)
+            .with_context(|| format!("loading {}", path.display()))?;
+        self.state = DemoState::new(&self.model.params);
+        self.version = version;
+        self.snapshot = None;
+        Ok(())
+    }
+
+    /// The parameters as bytes; cached per version (the parameters change only with it).
+    fn snapshot(&mut self) -> Arc<Snapshot> {
+        if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == self.version) {
+            return s.clone();
+        }
+        let tensors: Vec<(String, Vec<u32>, Vec<u8>)> = self
+            .model
+            .names
+            .iter()
+            .zip(&self.model.params)
+            .map(|(n, p)| {
+                let c = p
+                    .detach()
+                    .to_device(Device::Cpu)
+                    .to_kind(Kind::Float)
+                    .contiguous();
+                let len = c.numel();
+                let mut buf = vec![0f32; len];
+                c.view([-1]).copy_data(&mut buf, len);
+                let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (
+                    n.clone(),
+                    p.size().iter().map(|&d| d as u32).collect(),
+                    bytes,
+                )
+            })
+            .collect();
+        let entries: Vec<TensorEntry> = tensors
+            .iter()
+            .map(|(n, s, b)| TensorEntry {
+                name: n.clone(),
+                shape: s.clone(),
+                dtype: Dtype::F32,
+                hash: crypto::Digest::of(b),
+            })
+            .collect();
+        let snap = Arc::new(Snapshot {
+            version: self.version,
+            digest: params_digest(&entries).0,
+            tensors,
+        });
+        self.snapshot = Some(snap.clone());
+        snap
+    }
+
+    fn load(&mut self, version: u64, tensors: &[Vec<u8>]) -> Result<[u8; 32]> {
+        if tensors.len() != self.model.params.len() {
+            anyhow::bail!(
+                "checkpoint has {} tensors, the model {}",
+                tensors.len(),
+                self.model.params.len()
+            );
+        }
+        // Check every size before touching anything: a refused load leaves the model as it was.
+        for ((p, b), n) in self.model.params.iter().zip(tensors).zip(&self.model.names) {
+            if b.len() as i64 != p.numel() as i64 * 4 {
+                anyhow::bail!("{n}: {} bytes for {} values", b.len(), p.numel());
+            }
+        }
+        tch::no_grad(|| {
+            for (p, b) in self.model.params.iter_mut().zip(tensors) {
+                let vals: Vec<f32> = b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect();
+                let t = Tensor::from_slice(&vals).view(p.size().as_slice());
+                p.copy_(&t.to_device(p.device()));
+            }
+        });
+        // Momentum belongs to the parameters it was accumulated on: start afresh.
+        self.state = DemoState::new(&self.model.params);
+        self.version = version;
+        self.snapshot = None;
+        Ok(self.model.digest())
+    }
+
+    /// Write `v{version}.safetensors` into `dir` (see the module docs) and prune old ones.
+    fn save(&self, dir: &Path) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        let path = dir.join(format!("v{}.safetensors", self.version));
+        // `Llama::save` writes a temp file beside `path`, fsyncs it and renames it into place.
+        self.model.save(&path)?;
+        // The rename is durable only once the directory entry is.
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("fsync {}", dir.display()))?;
+        for (_, old) in list_checkpoints(dir).into_iter().skip(KEEP_CHECKPOINTS) {
+            let _ = std::fs::remove_file(old);
+        }
+        Ok(path)
     }
 
     fn lr(&self, step: u64) -> f64 {
@@ -167,8 +367,18 @@ impl Trainer {
             .map(|u| SparseUpdate::decode(&u.bytes.0, max))
             .collect::<Result<_, _>>()
             .map_err(|e| anyhow::anyhow!("an update the engine validated failed to decode: {e}"))?;
-        let refs: Vec<&SparseUpdate> = decoded.iter().collect();
-        let agg = sparse::aggregate(&self.run.layout(), &refs);
+        // Weighted by the tokens each header states (mixed hardware), as the run combines.
+        let set: Vec<(&SparseUpdate, u64)> = decoded
+            .iter()
+            .zip(updates)
+            .map(|(d, u)| (d, u.tokens))
+            .collect();
+        let agg = sparse::aggregate_round(
+            &self.run.layout(),
+            self.run.optim.combine,
+            self.run.nominal_tokens(),
+            &set,
+        );
         let signs = self.codec.exact_sign(&agg);
         apply_sign_step(
             &self.model.params,
@@ -188,6 +398,7 @@ impl Trainer {
         let _ = replies.blocking_send(Reply::Ready {
             digest: self.model.digest(),
             params: self.model.numel(),
+            version: self.version,
         });
         while let Some(c) = cmds.blocking_recv() {
             let t0 = Instant::now();
@@ -203,17 +414,27 @@ impl Trainer {
                     }
                 }
                 Cmd::Apply { step, updates } => match self.apply(step, &updates) {
-                    Ok(()) => Reply::Applied {
-                        step,
-                        digest: self.model.digest(),
-                        ms: t0.elapsed().as_millis() as u64,
-                        included: updates.len(),
-                    },
+                    Ok(()) => {
+                        self.version = step + 1;
+                        Reply::Applied {
+                            step,
+                            digest: self.model.digest(),
+                            ms: t0.elapsed().as_millis() as u64,
+                            included: updates.len(),
+                        }
+                    }
                     Err(e) => Reply::Failed(e.to_string()),
                 },
-                Cmd::Save { version, path } => match self.model.save(&path) {
-                    Ok(()) => Reply::Saved { version, path },
-                    Err(e) => Reply::Failed(format!("saving {}: {e}", path.display())),
+                Cmd::Save { dir } => Reply::Saved {
+                    version: self.version,
+                    path: self
+                        .save(&dir)
+                        .map_err(|e| format!("saving into {}: {e:#}", dir.display())),
+                },
+                Cmd::Snapshot => Reply::Snapshot(self.snapshot()),
+                Cmd::Load { version, tensors } => Reply::Loaded {
+                    version,
+                    digest: self.load(version, &tensors).map_err(|e| format!("{e:#}")),
                 },
             };
             if replies.blocking_send(r).is_err() {
