@@ -107,6 +107,12 @@ pub struct RunArgs {
     /// libtorch CPU threads.
     #[arg(long)]
     pub threads: Option<i32>,
+    /// FOR TESTS ONLY: behave as a hostile peer — publish a corrupted version of each honest
+    /// update (signflip: every value negated; noise: random coefficients and signs; zero: a
+    /// fixed all-zero update, a free rider; overclaim: the honest update claiming 16x its
+    /// tokens). Used by the fault drills to show the defences at work on real processes.
+    #[arg(long, value_enum, hide_short_help = true)]
+    pub adversary: Option<Adversary>,
 }
 
 #[derive(Args, Debug)]
@@ -246,6 +252,45 @@ const CHUNK_BYTES: u32 = 512 * 1024;
 /// Models up to this many parameters are snapshotted after every step; bigger ones only after
 /// a peer asked for a manifest recently (a copy per step would cost real time).
 const SNAPSHOT_EVERY_STEP_PARAMS: i64 = 16 << 20;
+/// The hostile behaviours `swarm run --adversary` can put on (see `sim::adversary`, where the
+/// same transforms are measured).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Adversary {
+    Signflip,
+    Noise,
+    Zero,
+    Overclaim,
+}
+
+impl Adversary {
+    /// What a hostile node publishes instead of its honest `blob` (and the tokens it claims).
+    fn corrupt(self, run: &RunConfig, step: u64, blob: Vec<u8>, tokens: u64) -> (Vec<u8>, u64) {
+        use protocol::sparse::SparseUpdate;
+        use sim::adversary as adv;
+        let layout = run.layout();
+        let Ok(u) = SparseUpdate::decode(&blob, run.limits.max_blob_bytes as usize) else {
+            return (blob, tokens);
+        };
+        match self {
+            Adversary::Signflip => (adv::signflip(&u, &layout).encode(), tokens),
+            Adversary::Noise => {
+                let mut rng = sim::rng::derive(&[0xbad, run.seed, step]);
+                (
+                    adv::noise(&u, &layout, run.optim.topk, 10.0, &mut rng).encode(),
+                    tokens,
+                )
+            }
+            Adversary::Zero => (
+                adv::zero(&layout, run.optim.topk, run.optim.values).encode(),
+                tokens,
+            ),
+            Adversary::Overclaim => (blob, tokens.saturating_mul(16)),
+        }
+    }
+}
+
+/// Trainer commands queued beyond which spot checks are skipped (see `Action::SpotCheck`).
+const MAX_SPOT_BACKLOG: usize = 4;
 /// Outstanding checkpoint requests (manifests + chunks) of the one download.
 const MAX_CKPT_REQUESTS: usize = 64;
 
@@ -272,6 +317,7 @@ struct Node {
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
     ckpt_every: u64,
+    adversary: Option<Adversary>,
     name: String,
     /// Signs served manifests (the engine holds its own copy of the identity).
     id: Identity,
@@ -400,9 +446,25 @@ impl Node {
                 let _ = self.swarm.disconnect_peer_id(p);
             }
             Action::SetTimer { at } => self.timer = Some(at),
-            // Spot checks need the trainer's evaluation; the node shell does not run them yet
-            // (runs that enable them rely on the nodes that do).
-            Action::SpotCheck { .. } => {}
+            Action::SpotCheck {
+                step,
+                sender,
+                blob,
+                tokens,
+                bytes,
+            } => {
+                // Checks are advisory and cost two forward passes each: under a backlog (a
+                // slow machine) skip them rather than fall behind the step clock.
+                if self.backlog.len() < MAX_SPOT_BACKLOG {
+                    self.to_trainer(Cmd::SpotCheck {
+                        step,
+                        sender,
+                        blob,
+                        tokens,
+                        bytes: bytes.0.to_vec(),
+                    });
+                }
+            }
             Action::Report(r) => match r {
                 Report::StepApplied {
                     step,
@@ -592,6 +654,20 @@ impl Node {
         match r {
             Reply::Ready { .. } => {}
             Reply::Snapshot(snap) => self.add_snapshot(snap),
+            Reply::SpotChecked {
+                step,
+                sender,
+                blob,
+                gain,
+            } => {
+                tracing::debug!(step, %sender, gain, "spot check");
+                self.feed(Event::SpotChecked {
+                    step,
+                    sender,
+                    blob,
+                    gain,
+                });
+            }
             Reply::Loaded { version, digest } => self.on_loaded(version, digest),
             Reply::Trained {
                 step,
@@ -610,6 +686,10 @@ impl Node {
                 while self.tokens.len() > 64 {
                     self.tokens.pop_first();
                 }
+                let (blob, tokens) = match self.adversary {
+                    Some(a) => a.corrupt(self.engine.run(), step, blob, tokens),
+                    None => (blob, tokens),
+                };
                 self.feed(Event::LocalUpdate { step, blob, tokens });
             }
             Reply::Applied {
@@ -1127,6 +1207,9 @@ pub fn run(a: RunArgs) -> Result<()> {
             ),
             None => None,
         };
+        if let Some(adv) = a.adversary {
+            tracing::warn!(?adv, "running as a HOSTILE peer (--adversary): for tests only");
+        }
         let mut node = Node {
             engine,
             swarm,
@@ -1150,6 +1233,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
             ckpt_every: a.checkpoint_every,
+            adversary: a.adversary,
             name: me.peer_id_string(),
             id,
             snapshots: VecDeque::new(),

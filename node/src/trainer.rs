@@ -43,6 +43,17 @@ pub enum Cmd {
     /// Replace the parameters with these tensors (model order, raw f32 little-endian bytes,
     /// already verified against a manifest) as version `version`; zero the DeMo momentum.
     Load { version: u64, tensors: Vec<Vec<u8>> },
+    /// The engine's spot check of one peer's update: the loss on the sender's own batch for
+    /// `step` (recomputable: batches are a pure function of seed, node id and step) before
+    /// minus after applying that update alone as a sign step; the parameters are restored.
+    /// Answer `SpotChecked`.
+    SpotCheck {
+        step: u64,
+        sender: crypto::NodeId,
+        blob: crypto::ContentId,
+        tokens: u64,
+        bytes: Vec<u8>,
+    },
 }
 
 /// Checkpoint files kept in `--checkpoint-dir`.
@@ -110,6 +121,13 @@ pub enum Reply {
     Loaded {
         version: u64,
         digest: Result<[u8; 32], String>,
+    },
+    SpotChecked {
+        step: u64,
+        sender: crypto::NodeId,
+        blob: crypto::ContentId,
+        /// NaN when the update does not even decode (the engine validated it, so a bug).
+        gain: f64,
     },
     Failed(String),
 }
@@ -389,6 +407,47 @@ impl Trainer {
         Ok(())
     }
 
+    /// See [`Cmd::SpotCheck`]. The batch is the sender's, sized by the tokens its header
+    /// states (capped at the run's batch), so an honest sender's update lowers it.
+    fn spot_check(&mut self, step: u64, sender: &crypto::NodeId, tokens: u64, bytes: &[u8]) -> f64 {
+        let Ok(u) = SparseUpdate::decode(bytes, self.run.limits.max_blob_bytes as usize) else {
+            return f64::NAN;
+        };
+        let seq = self.run.model.seq_len as usize;
+        let seqs = ((tokens as usize) / seq.max(1)).clamp(1, self.run.batch_seqs.max(1) as usize);
+        let (x, y) = self.corpus.batch(
+            "train",
+            self.run.seed,
+            &sender.0,
+            step,
+            seqs,
+            seq,
+            self.device,
+        );
+        let agg = sparse::aggregate_round(
+            &self.run.layout(),
+            self.run.optim.combine,
+            self.run.nominal_tokens(),
+            &[(&u, tokens)],
+        );
+        let signs = self.codec.exact_sign(&agg);
+        let _guard = tch::no_grad_guard();
+        let before = self.model.loss(&x, &y).double_value(&[]);
+        let saved: Vec<Tensor> = self.model.params.iter().map(|p| p.copy()).collect();
+        apply_sign_step(
+            &self.model.params,
+            &signs,
+            self.lr(step),
+            self.run.optim.weight_decay,
+        );
+        let after = self.model.loss(&x, &y).double_value(&[]);
+        for (p, s) in self.model.params.iter().zip(&saved) {
+            let mut p = p.shallow_clone();
+            p.copy_(s);
+        }
+        before - after
+    }
+
     /// Serve commands until the loop hangs up.
     pub fn serve(
         mut self,
@@ -432,6 +491,18 @@ impl Trainer {
                         .map_err(|e| format!("saving into {}: {e:#}", dir.display())),
                 },
                 Cmd::Snapshot => Reply::Snapshot(self.snapshot()),
+                Cmd::SpotCheck {
+                    step,
+                    sender,
+                    blob,
+                    tokens,
+                    bytes,
+                } => Reply::SpotChecked {
+                    step,
+                    sender,
+                    blob,
+                    gain: self.spot_check(step, &sender, tokens, &bytes),
+                },
                 Cmd::Load { version, tensors } => Reply::Loaded {
                     version,
                     digest: self.load(version, &tensors).map_err(|e| format!("{e:#}")),

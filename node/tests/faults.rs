@@ -67,6 +67,11 @@ fn keygen(path: &Path) {
 
 impl Local {
     fn new(name: &str, period_ms: u64, start_in_ms: u64) -> Local {
+        Self::with_config(name, period_ms, start_in_ms, "")
+    }
+
+    /// As `new`, with `extra` TOML appended to the run config (e.g. a `[defence]` table).
+    fn with_config(name: &str, period_ms: u64, start_in_ms: u64, extra: &str) -> Local {
         let dir = std::env::temp_dir().join(format!("swarm-faults-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -109,6 +114,7 @@ impl Local {
             &format!("summary_ms = {}", period_ms * 8 / 25),
         );
         text = text.replace("genesis_ms = 0", &format!("genesis_ms = {genesis_ms}"));
+        text.push_str(extra);
         let run = dir.join("run.toml");
         std::fs::write(&run, text).unwrap();
         Local {
@@ -392,5 +398,61 @@ fn a_node_with_a_smaller_batch_is_included_and_everyone_agrees() {
     }
     assert_eq!(agree(&n[0], &n[1], "n0 vs n1"), 8);
     assert_eq!(agree(&n[0], &n[2], "n0 vs n2"), 8);
+    let _ = std::fs::remove_dir_all(&l.dir);
+}
+
+/// Issue 6 on real processes: four honest nodes and one that publishes sign-flipped updates
+/// (`--adversary signflip`), with every content defence on and bounded-influence combining.
+/// The honest nodes spot-check it (loss on its own recomputable batch gets worse), stop
+/// listing it, outvote it, penalize it; its updates stay out from some step on, and the
+/// honest nodes agree after every step.
+#[test]
+fn a_hostile_process_is_spot_checked_excluded_and_penalized() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let defence = "\n[defence]\nmajority = true\nspot_checks = 2\ncopy_overlap_permille = 900\npow_bits = 8\nprobation_steps = 4\n";
+    let l = Local::with_config("hostile", 2000, 7000, defence);
+    // `combine` belongs to [optim]: put it there (TOML tables cannot be reopened).
+    let text = std::fs::read_to_string(&l.run)
+        .unwrap()
+        .replace("grad_clip = 1.0", "grad_clip = 1.0\ncombine = \"share\"");
+    std::fs::write(&l.run, text).unwrap();
+    let steps = "14";
+    let _honest: Vec<Proc> = (0..4)
+        .map(|i| l.node(&format!("n{i}"), &["--steps", steps]))
+        .collect();
+    let _bad = l.node("bad", &["--steps", steps, "--adversary", "signflip"]);
+    wait_until(90, "step 13 at the honest nodes", || {
+        (0..4).all(|i| last_step(&l.status(&format!("n{i}"))) >= Some(13))
+    });
+    let n: Vec<BTreeMap<u64, Line>> = (0..4).map(|i| lines(&l.status(&format!("n{i}")))).collect();
+    for i in 1..4 {
+        assert_eq!(agree(&n[0], &n[i], &format!("n0 vs n{i}")), n[0].len());
+    }
+    // Penalized by the honest nodes: each logs the blame on the hostile peer's id.
+    let bad_id = String::from_utf8(
+        swarm()
+            .arg("id")
+            .arg(l.dir.join("bad.key"))
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    let blamed = (0..4)
+        .filter(|i| {
+            l.log(&format!("n{i}"))
+                .lines()
+                .any(|x| x.contains("penalized") && x.contains(&bad_id))
+        })
+        .count();
+    assert!(blamed >= 3, "{blamed} of 4 honest nodes penalized {bad_id}:\n{}", l.log("n0"));
+    // Excluded: the last steps include exactly the four honest updates.
+    for s in 10..14 {
+        for (i, x) in n.iter().enumerate() {
+            assert_eq!(x[&s].included, 4, "n{i} step {s}: {:?}", x[&s]);
+        }
+    }
     let _ = std::fs::remove_dir_all(&l.dir);
 }
