@@ -24,7 +24,7 @@ const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo"
+    after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo\n  swarm demo --run node/runs/small-local.toml --trainers 8 --period-ms 20000 --steps 8 --no-baseline"
 )]
 pub struct DemoArgs {
     /// Trainer processes.
@@ -42,6 +42,10 @@ pub struct DemoArgs {
     /// Report directory (report.json, report.png, and the nodes' keys, logs and status files).
     #[arg(long, default_value = "runs/demo")]
     pub out: PathBuf,
+    /// A run config (TOML, as `swarm run --run` takes) instead of the embedded `tiny` one, e.g.
+    /// `node/runs/small-local.toml`; its timing is replaced by --period-ms and the start time.
+    #[arg(long)]
+    pub run: Option<PathBuf>,
     /// Skip the AdamW + all-reduce baseline.
     #[arg(long)]
     pub no_baseline: bool,
@@ -128,7 +132,13 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).with_context(|| work.display().to_string())?;
     let exe = std::env::current_exe()?;
-    let mut run: RunConfig = toml::from_str(TINY_LOCAL).context("embedded tiny-local.toml")?;
+    let mut run: RunConfig = match &a.run {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
+            toml::from_str(&text).with_context(|| format!("{}: not a run config", p.display()))?
+        }
+        None => toml::from_str(TINY_LOCAL).context("embedded tiny-local.toml")?,
+    };
     run.timing.period_ms = a.period_ms;
     run.timing.grace_ms = a.period_ms * 4 / 25;
     run.timing.summary_ms = a.period_ms * 8 / 25;
