@@ -80,7 +80,10 @@ fn main() {
         base = base.with_nodes(n);
         base.name = base.name.trim_end_matches(&format!("-n{n}")).to_string();
     }
-    if let Some(o) = only.iter().find(|o| !Attack::all().iter().any(|a| a.name() == o.as_str())) {
+    if let Some(o) = only
+        .iter()
+        .find(|o| !Attack::all().iter().any(|a| a.name() == o.as_str()))
+    {
         panic!("--only {o}: no such attack");
     }
     let attacks: Vec<Attack> = Attack::all()
@@ -104,13 +107,9 @@ fn main() {
         defences.push((false, undefended));
     }
     let t0 = Instant::now();
-    let rows = adversary::sweep(
-        &base,
-        &attacks,
-        &fractions,
-        &defences,
-        &mut |l| eprintln!("[{:6.1}s] {l}", t0.elapsed().as_secs_f64()),
-    )
+    let rows = adversary::sweep(&base, &attacks, &fractions, &defences, &mut |l| {
+        eprintln!("[{:6.1}s] {l}", t0.elapsed().as_secs_f64())
+    })
     .unwrap_or_else(|e| panic!("{e}"));
     let table = adversary::markdown(&rows, 2.0);
     let head = format!(

@@ -1,0 +1,138 @@
+//! The real model in the simulator (feature `torch`): a few `tiny` nodes train (eval loss
+//! falls), every node holds the same parameters after every step, and the run is a pure
+//! function of the scenario (same seed, same metrics bytes).
+#![cfg(feature = "torch")]
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use sim::synth::Trainer;
+use sim::Scenario;
+
+/// `Llama::new` seeds libtorch's global generator: tests that build models must not overlap
+/// (`sim::tiny` serializes its own initializations; the direct `Llama::new` below is not).
+static TORCH: Mutex<()> = Mutex::new(());
+
+fn scenario() -> Scenario {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/tiny_test.toml");
+    Scenario::load(&p).unwrap()
+}
+
+#[test]
+fn tiny_trains_agrees_and_is_deterministic() {
+    let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
+    let sc = scenario();
+    let n = sc.nodes() as u32;
+    let m = sim::run(&sc, &mut |_, _| {}).unwrap();
+    assert_eq!(m.steps.len() as u64, sc.steps);
+    for s in &m.steps {
+        // Every node applied every step, with every update, to the same parameters.
+        assert_eq!(s.applied_nodes, n, "{s:?}");
+        assert_eq!(s.agree, 1.0, "{s:?}");
+        assert_eq!(s.included_min, n, "{s:?}");
+        assert!(s.train_loss.is_some_and(f64::is_finite), "{s:?}");
+    }
+    assert_eq!(m.totals.desyncs, 0);
+    assert_eq!(m.totals.rejected, 0);
+    // Distinct parameters every step (a sign step always moves them).
+    let digests: std::collections::BTreeSet<&str> =
+        m.steps.iter().map(|s| s.digest.as_str()).collect();
+    assert_eq!(digests.len(), m.steps.len());
+    let (l0, l1) = (m.totals.initial_loss, m.totals.final_loss.unwrap());
+    // ln 64 ≈ 4.16 at initialization; six sign steps of 1e-2 bring it well down.
+    assert!(l0 > 4.0 && l1 < l0 - 0.3, "eval loss {l0} -> {l1}");
+    // Same scenario and seed: the same bytes.
+    let again = sim::run(&sc, &mut |_, _| {}).unwrap();
+    assert_eq!(m.to_json(), again.to_json());
+}
+
+/// The trainer alone: applying a node's own update must lower the loss on that node's batch
+/// (the spot check's premise), an empty set changes nothing, and the digest is the model's.
+#[test]
+fn tiny_spot_check_and_digest() {
+    let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
+    let sc = scenario();
+    let mut run = protocol::run::RunConfig::new(
+        "t",
+        protocol::config::ModelConfig::named("tiny", 64).unwrap(),
+        sc.optim.config(sc.steps),
+        protocol::run::DataSpec::Synthetic { seed: 1, vocab: 32 },
+        protocol::run::StepTiming {
+            genesis_ms: 0,
+            period_ms: 2000,
+            grace_ms: 300,
+            summary_ms: 700,
+        },
+    );
+    run.batch_seqs = 2;
+    let mut t = sim::tiny::Tiny::new(&run, &sc).unwrap();
+    let p0 = t.init();
+    assert_eq!(p0.len(), t.params_len());
+    // The protocol's digest of the named tensors, as `Llama::digest` computes it.
+    let m = train::model::Llama::new(&run.model, train::tch::Device::Cpu, run.seed);
+    assert_eq!(t.digest(&p0).0, m.digest());
+    assert_eq!(t.apply_round(0, &p0, &[]), p0);
+    let id = sim::world::identity(sc.seed, 0).node_id();
+    let local = t.train(0, &id, 0, &p0);
+    let gain = t.spot_check(&id, 0, &p0, &local.update, local.tokens);
+    assert!(gain > 0.0, "own update on own batch: gain {gain}");
+}
+
+/// The simulator's trainer computes what the `train` crate computes: replicas keyed like
+/// `train::run::train`'s (`replica_id(r)`) trained and applied through `Tiny` end with the same
+/// parameter digest as `swarm train`'s in-process DeMo run of the same configuration.
+#[test]
+fn tiny_matches_train_run() {
+    let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
+    let sc = scenario();
+    let (replicas, steps) = (2usize, 3u32);
+    let mut optim = sc.optim.config(steps as u64);
+    // `train::run::train` runs its cosine over its own step count.
+    optim.total_steps = steps;
+    let model = protocol::config::ModelConfig::named("tiny", 64).unwrap();
+    let opts = train::run::TrainOptions {
+        model: model.clone(),
+        optimizer: train::run::Optimizer::Demo,
+        replicas,
+        steps,
+        batch: 2,
+        seed: 5,
+        optim: optim.clone(),
+        adamw_lr: 3e-3,
+        adamw_wd: 0.1,
+        eval_every: 0,
+        eval_batches: 1,
+    };
+    let corpus = train::data::Corpus::open(&train::data::DataSpec::Synthetic {
+        seed: 1,
+        vocab: 32,
+        branch: 4,
+    })
+    .unwrap();
+    let (_, report) = train::run::train(&opts, &corpus, train::tch::Device::Cpu, |_| {}).unwrap();
+
+    let mut run = protocol::run::RunConfig::new(
+        "t",
+        model,
+        optim,
+        protocol::run::DataSpec::Synthetic { seed: 1, vocab: 32 },
+        protocol::run::StepTiming {
+            genesis_ms: 0,
+            period_ms: 2000,
+            grace_ms: 300,
+            summary_ms: 700,
+        },
+    );
+    run.seed = 5;
+    run.batch_seqs = 2;
+    let mut t = sim::tiny::Tiny::new(&run, &sc).unwrap();
+    let mut p = t.init();
+    for step in 0..steps as u64 {
+        let locals: Vec<_> = (0..replicas)
+            .map(|r| t.train_as(r, &train::run::replica_id(r), step, &p))
+            .collect();
+        let set: Vec<_> = locals.iter().map(|l| (&l.update, l.tokens)).collect();
+        p = t.apply_round(step, &p, &set);
+    }
+    assert_eq!(t.digest(&p).to_hex(), report.final_digest);
+}
