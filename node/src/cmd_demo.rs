@@ -46,6 +46,11 @@ pub struct DemoArgs {
     /// `node/runs/small-local.toml`; its timing is replaced by --period-ms and the start time.
     #[arg(long)]
     pub run: Option<PathBuf>,
+    /// Give trainer i the simulator's key for node i under this seed (`sim::world::identity`),
+    /// so that the same scenario in `swarm sim` trains on the same batches: the simulator's
+    /// curve and this swarm's can be compared step by step. Default: fresh random keys.
+    #[arg(long)]
+    pub key_seed: Option<u64>,
     /// Skip the AdamW + all-reduce baseline.
     #[arg(long)]
     pub no_baseline: bool,
@@ -203,7 +208,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
             .args(["run", "--run"])
             .arg(&run_path)
             .arg("--key")
-            .arg(key(&name)?)
+            .arg(match a.key_seed {
+                Some(seed) => {
+                    let p = work.join(format!("{name}.key"));
+                    sim::world::identity(seed, i)
+                        .write_new(&p)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    p
+                }
+                None => key(&name)?,
+            })
             .args([
                 "--bootstrap",
                 &boot_addr,
