@@ -27,7 +27,6 @@
 //! both call one implementation.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use crypto::{Digest, NodeId};
 use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
@@ -43,17 +42,6 @@ use train::tch::{self, Device, Kind, Tensor};
 use crate::scenario::Scenario;
 use crate::synth::{Local, Trainer};
 use crate::SimError;
-
-/// `Llama::new` seeds libtorch's *global* generator (`tch::manual_seed`) and then draws from
-/// it, so two models initialized at once on different threads of one process (parallel tests,
-/// or a baseline beside a run) get each other's draws. Every initialization here holds this
-/// lock. (A `Llama::new` that drew from its own generator would make it unnecessary.)
-static INIT: Mutex<()> = Mutex::new(());
-
-fn init_lock() -> std::sync::MutexGuard<'static, ()> {
-    // A panic while holding it leaves nothing half-done that matters: take it anyway.
-    INIT.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The real `tiny` (or a run file's) model, trained with DeMo by every simulated node.
 pub struct Tiny {
@@ -137,10 +125,9 @@ impl Tiny {
             ));
         }
         // The node's initial weights: `Llama::new` seeds from the run seed.
-        let model = {
-            let _g = init_lock();
-            Llama::new(&run.model, Device::Cpu, run.seed)
-        };
+        // `Llama::new` holds its own lock around libtorch's global generator, so models built
+        // on several threads at once still start from the run's weights.
+        let model = Llama::new(&run.model, Device::Cpu, run.seed);
         let layout = run.layout();
         let codec = DctCodec::new(layout.clone(), Device::Cpu);
         let init = flatten(&model.params);
@@ -367,7 +354,6 @@ impl Trainer for Tiny {
             eval_every: 1,
             eval_batches: self.eval_batches,
         };
-        let _g = init_lock();
         let (_, report) = train::run::train(&opts, &self.corpus, Device::Cpu, |_| {})
             .map_err(|e| SimError::Scenario(format!("AdamW baseline: {e}")))?;
         Ok(report

@@ -9,8 +9,8 @@ use std::sync::Mutex;
 use sim::synth::Trainer;
 use sim::Scenario;
 
-/// `Llama::new` seeds libtorch's global generator: tests that build models must not overlap
-/// (`sim::tiny` serializes its own initializations; the direct `Llama::new` below is not).
+/// The tests share two cores and libtorch's thread pool: run them one at a time (model
+/// initialization itself is serialized inside `Llama::new`).
 static TORCH: Mutex<()> = Mutex::new(());
 
 fn scenario() -> Scenario {

@@ -40,7 +40,11 @@ impl Llama {
         let root = vs.root();
         let shapes = cfg.tensor_shapes();
         // Initialize on the CPU from a seeded generator, then copy, so that CPU and CUDA nodes
-        // start bit-identical.
+        // start bit-identical. libtorch's generator is process-global: hold a lock from the
+        // seed to the last draw, or two models built at once (the simulator, parallel tests)
+        // would interleave their draws and start from different weights.
+        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _init = INIT.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(seed as i64);
         let std = 0.02;
         let out_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
