@@ -258,19 +258,10 @@ impl Trainer {
             .iter()
             .zip(&self.model.params)
             .map(|(n, p)| {
-                let c = p
-                    .detach()
-                    .to_device(Device::Cpu)
-                    .to_kind(Kind::Float)
-                    .contiguous();
-                let len = c.numel();
-                let mut buf = vec![0f32; len];
-                c.view([-1]).copy_data(&mut buf, len);
-                let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
                 (
                     n.clone(),
                     p.size().iter().map(|&d| d as u32).collect(),
-                    bytes,
+                    train::model::f32_le_bytes(p),
                 )
             })
             .collect();

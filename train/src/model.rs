@@ -262,6 +262,20 @@ impl Llama {
     }
 }
 
+/// A tensor's values as f32 little-endian bytes, row-major: the form parameters take in
+/// digests, checkpoints and served snapshots.
+pub fn f32_le_bytes(p: &Tensor) -> Vec<u8> {
+    let c = p
+        .detach()
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Float)
+        .contiguous();
+    let len = c.numel();
+    let mut buf = vec![0f32; len];
+    c.view([-1]).copy_data(&mut buf, len);
+    buf.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
 /// `protocol::checkpoint::params_digest` of named f32 tensors.
 pub fn named_digest(names: &[String], params: &[Tensor]) -> [u8; 32] {
     use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
@@ -269,15 +283,7 @@ pub fn named_digest(names: &[String], params: &[Tensor]) -> [u8; 32] {
         .iter()
         .zip(params)
         .map(|(n, p)| {
-            let c = p
-                .detach()
-                .to_device(Device::Cpu)
-                .to_kind(Kind::Float)
-                .contiguous();
-            let len = c.numel();
-            let mut buf = vec![0f32; len];
-            c.view([-1]).copy_data(&mut buf, len);
-            let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes = f32_le_bytes(p);
             TensorEntry {
                 name: n.clone(),
                 shape: p.size().iter().map(|&d| d as u32).collect(),
