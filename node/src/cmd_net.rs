@@ -766,7 +766,10 @@ impl Node {
         if m.body.digest.0 != snap.digest {
             // The trainer's digest and the manifest's are computed the same way; a mismatch is
             // a bug, and serving it would get this node banned by every joiner.
-            tracing::error!(version = snap.version, "snapshot digest mismatch: not serving it");
+            tracing::error!(
+                version = snap.version,
+                "snapshot digest mismatch: not serving it"
+            );
             return;
         }
         let frame = Message::Manifest(m).encode();
@@ -1208,7 +1211,10 @@ pub fn run(a: RunArgs) -> Result<()> {
             None => None,
         };
         if let Some(adv) = a.adversary {
-            tracing::warn!(?adv, "running as a HOSTILE peer (--adversary): for tests only");
+            tracing::warn!(
+                ?adv,
+                "running as a HOSTILE peer (--adversary): for tests only"
+            );
         }
         let mut node = Node {
             engine,

@@ -1184,7 +1184,10 @@ mod tests {
         let m = Request::Manifest { min_version: 5 };
         // 0: signature of another key over 0's manifest.
         let mut forged = build_manifest(&w.ids[0], w.run, 5, CHUNK, &t);
-        forged.raw.sig = w.ids[1].sign(protocol::wire::domain::CHECKPOINT_MANIFEST, &forged.raw.body);
+        forged.raw.sig = w.ids[1].sign(
+            protocol::wire::domain::CHECKPOINT_MANIFEST,
+            &forged.raw.body,
+        );
         let a0 = d.on_response(w.node(0), &m, &Message::Manifest(forged).encode(), 1);
         assert_eq!(bans(&a0), vec![w.node(0)]);
         // 1: a validly signed manifest of another model.

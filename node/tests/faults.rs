@@ -447,7 +447,11 @@ fn a_hostile_process_is_spot_checked_excluded_and_penalized() {
                 .any(|x| x.contains("penalized") && x.contains(&bad_id))
         })
         .count();
-    assert!(blamed >= 3, "{blamed} of 4 honest nodes penalized {bad_id}:\n{}", l.log("n0"));
+    assert!(
+        blamed >= 3,
+        "{blamed} of 4 honest nodes penalized {bad_id}:\n{}",
+        l.log("n0")
+    );
     // Excluded: the last steps include exactly the four honest updates.
     for s in 10..14 {
         for (i, x) in n.iter().enumerate() {

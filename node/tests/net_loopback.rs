@@ -87,7 +87,9 @@ fn on_event(n: &mut Node, ev: SwarmEvent<BehaviourEvent>) {
             } => {
                 let resp = match request {
                     Request::Blob(id) => n.blobs.get(&id).cloned().unwrap_or_default(),
-                    Request::Frame(_) | Request::Manifest { .. } | Request::Chunk { .. } => Vec::new(),
+                    Request::Frame(_) | Request::Manifest { .. } | Request::Chunk { .. } => {
+                        Vec::new()
+                    }
                 };
                 let _ = n.swarm.behaviour_mut().rr.send_response(channel, resp);
             }

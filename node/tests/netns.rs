@@ -93,7 +93,9 @@ fn four_hosts_on_shaped_links_agree_and_the_slow_one_delays_nobody() {
     }
     // A tiny update is ~3 KB: even at 1 Mbit/s up the slow node's arrives in time, so most
     // steps include all four.
-    let full = (1..steps).filter(|s| n[0][s].included == nodes as u64).count();
+    let full = (1..steps)
+        .filter(|s| n[0][s].included == nodes as u64)
+        .count();
     assert!(
         full as u64 >= (steps - 1) / 2,
         "only {full} steps included every node: {:?}",

@@ -93,8 +93,10 @@ fn the_simulator_and_a_real_local_swarm_train_the_same_curve() {
             .iter()
             .find(|x| x["step"] == s)
             .unwrap_or_else(|| panic!("sim has no step {s}"));
-        let real_loss: f64 =
-            (0..trainers).map(|i| at(i, s)["loss"].as_f64().unwrap()).sum::<f64>() / trainers as f64;
+        let real_loss: f64 = (0..trainers)
+            .map(|i| at(i, s)["loss"].as_f64().unwrap())
+            .sum::<f64>()
+            / trainers as f64;
         let sim_loss = sim["train_loss"].as_f64().unwrap();
         if exact {
             assert!(
@@ -123,6 +125,9 @@ fn the_simulator_and_a_real_local_swarm_train_the_same_curve() {
     }
     eprintln!("real vs simulated: {compared} of {steps} steps compared exactly");
     // On an unloaded machine every step is full; demand at least most of the run be exact.
-    assert!(compared as u64 >= steps / 2, "only {compared} steps compared exactly");
+    assert!(
+        compared as u64 >= steps / 2,
+        "only {compared} steps compared exactly"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
