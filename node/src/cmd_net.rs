@@ -441,9 +441,7 @@ impl Node {
             }
             Action::Ban { peer, reason } => {
                 tracing::warn!(%peer, %reason, "banned");
-                let p = net::peer_id(&peer);
-                self.swarm.behaviour_mut().gossipsub.blacklist_peer(&p);
-                let _ = self.swarm.disconnect_peer_id(p);
+                self.cut_off(&peer);
             }
             Action::SetTimer { at } => self.timer = Some(at),
             Action::SpotCheck {
@@ -903,8 +901,13 @@ impl Node {
     /// A provably bad checkpoint server: banned here for good, and reported.
     fn ban(&mut self, peer: NodeId, reason: &str) {
         tracing::warn!(%peer, reason, "banned: bad checkpoint");
-        let p = net::peer_id(&peer);
-        self.banned.insert(p);
+        self.banned.insert(net::peer_id(&peer));
+        self.cut_off(&peer);
+    }
+
+    /// No more gossip from or to `peer`, and its connections closed.
+    fn cut_off(&mut self, peer: &NodeId) {
+        let p = net::peer_id(peer);
         self.swarm.behaviour_mut().gossipsub.blacklist_peer(&p);
         let _ = self.swarm.disconnect_peer_id(p);
     }

@@ -21,13 +21,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
-use protocol::config::lr_at;
 use protocol::engine::Included;
 use protocol::run::{DataSpec as RunData, RunConfig};
-use protocol::sparse::{self, SparseUpdate};
+use protocol::sparse::SparseUpdate;
 use tch::{Device, Kind, Tensor};
 use train::data::{Corpus, DataSpec};
-use train::demo::{apply_sign_step, DctCodec, DemoState};
+use train::demo::{apply_round, DctCodec, DemoState};
 use train::model::Llama;
 
 pub enum Cmd {
@@ -331,14 +330,7 @@ impl Trainer {
     }
 
     fn lr(&self, step: u64) -> f64 {
-        let o = &self.run.optim;
-        lr_at(
-            step.min(u32::MAX as u64) as u32,
-            o.lr,
-            o.warmup_steps,
-            o.total_steps,
-            o.min_lr_ratio,
-        )
+        train::demo::run_lr(&self.run, step)
     }
 
     fn train(&mut self, step: u64) -> (Vec<u8>, u64, f64) {
@@ -382,19 +374,7 @@ impl Trainer {
             .zip(updates)
             .map(|(d, u)| (d, u.tokens))
             .collect();
-        let agg = sparse::aggregate_round(
-            &self.run.layout(),
-            self.run.optim.combine,
-            self.run.nominal_tokens(),
-            &set,
-        );
-        let signs = self.codec.exact_sign(&agg);
-        apply_sign_step(
-            &self.model.params,
-            &signs,
-            self.lr(step),
-            self.run.optim.weight_decay,
-        );
+        apply_round(&self.codec, &self.run, step, &self.model.params, &set);
         Ok(())
     }
 
@@ -415,21 +395,15 @@ impl Trainer {
             seq,
             self.device,
         );
-        let agg = sparse::aggregate_round(
-            &self.run.layout(),
-            self.run.optim.combine,
-            self.run.nominal_tokens(),
-            &[(&u, tokens)],
-        );
-        let signs = self.codec.exact_sign(&agg);
         let _guard = tch::no_grad_guard();
         let before = self.model.loss(&x, &y).double_value(&[]);
         let saved: Vec<Tensor> = self.model.params.iter().map(|p| p.copy()).collect();
-        apply_sign_step(
+        apply_round(
+            &self.codec,
+            &self.run,
+            step,
             &self.model.params,
-            &signs,
-            self.lr(step),
-            self.run.optim.weight_decay,
+            &[(&u, tokens)],
         );
         let after = self.model.loss(&x, &y).double_value(&[]);
         for (p, s) in self.model.params.iter().zip(&saved) {

@@ -11,9 +11,9 @@
 //!   batch_seqs, seq_len)` (a pure function, so anyone can recompute it), the gradient goes into
 //!   the node's own `DemoState` (clip, `delta = β·delta + lr·grad`), and `DctCodec::encode` gives
 //!   the update and removes its kept part from the momentum. The learning rate follows the
-//!   run's schedule (`protocol::config::lr_at`, as the node's `Trainer::lr`).
-//! * Applying: `protocol::sparse::aggregate_round` (token-weighted under `share`), the exact
-//!   decoded sign (`DctCodec::exact_sign`) and `apply_sign_step`; an empty set leaves the
+//!   run's schedule (`train::demo::run_lr`, as the node's).
+//! * Applying: `train::demo::apply_round`, as the node does (`aggregate_round`, token-weighted
+//!   under `share`, the exact decoded sign and `apply_sign_step`); an empty set leaves the
 //!   parameters untouched, as the node does.
 //! * The digest is the protocol's `params_digest` of the named f32 tensors, the one nodes put
 //!   in summaries and checkpoints (`Llama::digest` computes the same from tensors).
@@ -30,11 +30,10 @@ use std::collections::HashMap;
 
 use crypto::{Digest, NodeId};
 use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
-use protocol::config::lr_at;
 use protocol::run::{DataSpec as RunData, RunConfig};
-use protocol::sparse::{aggregate_round, Layout, SparseUpdate};
+use protocol::sparse::{Layout, SparseUpdate};
 use train::data::{Corpus, DataSpec};
-use train::demo::{apply_sign_step, DctCodec, DemoState};
+use train::demo::{apply_round, DctCodec, DemoState};
 use train::model::Llama;
 use train::run::{eval_loss, Optimizer, TrainOptions};
 use train::tch::{self, Device, Kind, Tensor};
@@ -167,14 +166,7 @@ impl Tiny {
 
     /// The node's `Trainer::lr`: the run's schedule at `step`.
     fn lr(&self, step: u64) -> f64 {
-        let o = &self.run.optim;
-        lr_at(
-            step.min(u32::MAX as u64) as u32,
-            o.lr,
-            o.warmup_steps,
-            o.total_steps,
-            o.min_lr_ratio,
-        )
+        train::demo::run_lr(&self.run, step)
     }
 
     /// Overwrite the shared model's weights with `params` (flat, wire order).
@@ -284,15 +276,8 @@ impl Trainer for Tiny {
         if updates.is_empty() {
             return params.to_vec();
         }
-        let agg = aggregate_round(
-            &self.layout,
-            self.run.optim.combine,
-            self.run.nominal_tokens(),
-            updates,
-        );
-        let signs = self.codec.exact_sign(&agg);
         let p = self.tensors_of(params);
-        apply_sign_step(&p, &signs, self.lr(step), self.run.optim.weight_decay);
+        apply_round(&self.codec, &self.run, step, &p, updates);
         flatten(&p)
     }
 
