@@ -1170,35 +1170,19 @@ impl Engine {
     /// sender first, so the choice is the same on every node.
     fn blob_owner(&self, step: u64, id: ContentId) -> Option<(u64, NodeId)> {
         let lacking = |t: u64| {
-            self.by_blob
-                .range((id, t)..=(id, t))
-                .map(|(_, n)| *n)
-                .chain(self.steps.get(&t).into_iter().flat_map(|s| {
-                    s.headers
-                        .iter()
-                        .filter(|(_, e)| e.header.body.blob == id)
-                        .map(|(n, _)| *n)
-                }))
-                .find(|n| {
-                    self.steps[&t]
-                        .headers
-                        .get(n)
-                        .is_some_and(|e| e.blob.is_none() && !e.invalid)
-                })
-                .map(|n| (t, n))
+            let st = self.steps.get(&t)?;
+            st.headers
+                .iter()
+                .find(|(_, e)| e.header.body.blob == id && e.blob.is_none() && !e.invalid)
+                .map(|(n, _)| (t, *n))
         };
-        if self.steps.contains_key(&step) {
-            if let Some(x) = lacking(step) {
-                return Some(x);
-            }
-        }
-        let steps: Vec<u64> = self
-            .by_blob
-            .range((id, 0)..=(id, u64::MAX))
-            .map(|((_, t), _)| *t)
-            .filter(|t| self.steps.contains_key(t))
-            .collect();
-        steps.into_iter().find_map(lacking)
+        // The want's own step first, then every other step a header named this id in.
+        lacking(step).or_else(|| {
+            self.by_blob
+                .range((id, 0)..=(id, u64::MAX))
+                .filter(|((_, t), _)| *t != step)
+                .find_map(|((_, t), _)| lacking(*t))
+        })
     }
 
     fn fetch_failed(&mut self, from: NodeId, blob: ContentId) {
