@@ -58,10 +58,19 @@ pub struct DemoArgs {
     /// on and keep agreeing.
     #[arg(long)]
     pub kill_at: Option<u64>,
+    /// Start the bootstrap peer as the run's first hop (`swarm bootstrap --run --relay`): each
+    /// trainer uploads its update to it once and fetches the others' from it.
+    #[arg(long)]
+    pub relay: bool,
+    /// The trainers' gossipsub mesh degree (`swarm run --mesh`; default 6, or 2 with --relay).
+    #[arg(long)]
+    pub mesh: Option<usize>,
 }
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
 struct Status {
+    #[serde(default)]
+    node: String,
     step: u64,
     loss: Option<f64>,
     peers: usize,
@@ -71,6 +80,10 @@ struct Status {
     bytes_in: u64,
     train_ms: u64,
     digest: String,
+    #[serde(default)]
+    published_ms: Option<u64>,
+    #[serde(default)]
+    arrivals: BTreeMap<String, u64>,
 }
 
 struct Proc {
@@ -120,12 +133,76 @@ struct DemoReport {
     mean_bytes_out_per_step: f64,
     mean_bytes_in_per_step: f64,
     upload_amplification: f64,
+    /// The same without step 0, which carries the one-time cost of joining (connections,
+    /// identify, discovery, hellos): what a node uploads per step once running.
+    upload_amplification_after_first_step: f64,
     mean_train_ms: f64,
+    /// Time from an update's publication (its sender's clock) until the last other trainer
+    /// had it verified (same machine, same clock), over updates every other trainer applied
+    /// in time: median, 90th percentile, max (ms), and how many such updates there were.
+    spread_ms: Option<Spread>,
+    /// Updates published but not held by every other trainer when it applied the step.
+    updates_not_everywhere: usize,
+    /// The relay's bytes sent / received per step (with --relay).
+    relay_bytes_out_per_step: Option<f64>,
+    relay_bytes_in_per_step: Option<f64>,
     final_eval_loss: Option<f64>,
     adamw_final_eval_loss: Option<f64>,
     adamw_bytes_per_step: Option<u64>,
     wall_seconds: f64,
     nodes: Vec<NodeReport>,
+}
+
+#[derive(Serialize, Debug, Clone, Copy)]
+struct Spread {
+    median: u64,
+    p90: u64,
+    max: u64,
+    updates: usize,
+}
+
+/// Publish-to-everyone times from the trainers' status lines (see `DemoReport::spread_ms`).
+fn spread(rows: &[Vec<Status>]) -> (Option<Spread>, usize) {
+    let by_step: Vec<BTreeMap<u64, &Status>> = rows
+        .iter()
+        .map(|r| r.iter().map(|s| (s.step, s)).collect())
+        .collect();
+    let mut times = Vec::new();
+    let mut missing = 0;
+    for (i, r) in rows.iter().enumerate() {
+        for s in r {
+            let Some(p) = s.published_ms else { continue };
+            let others: Vec<&Status> = by_step
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .filter_map(|(_, m)| m.get(&s.step).copied())
+                .collect();
+            let got: Vec<u64> = others
+                .iter()
+                .filter_map(|o| o.arrivals.get(&s.node).copied())
+                .collect();
+            if others.is_empty() || got.len() < others.len() {
+                missing += 1;
+            } else {
+                times.push(got.iter().max().expect("non-empty").saturating_sub(p));
+            }
+        }
+    }
+    if times.is_empty() {
+        return (None, missing);
+    }
+    times.sort_unstable();
+    let q = |f: f64| times[((times.len() - 1) as f64 * f).round() as usize];
+    (
+        Some(Spread {
+            median: q(0.5),
+            p90: q(0.9),
+            max: *times.last().expect("non-empty"),
+            updates: times.len(),
+        }),
+        missing,
+    )
 }
 
 pub fn run(a: DemoArgs) -> Result<()> {
@@ -159,18 +236,34 @@ pub fn run(a: DemoArgs) -> Result<()> {
         Ok(std::fs::File::create(work.join(format!("{name}.log")))?.into())
     };
 
+    // The run file is written before any process starts: a relay is in the run too.
+    run.timing.genesis_ms = now_ms() + a.start_in * 1000;
+    run.validate()?;
+    let run_path = work.join("run.toml");
+    std::fs::write(&run_path, toml::to_string(&run)?)?;
+
     let addr_file = work.join("bootstrap.addr");
+    let mut boot_cmd = Command::new(&exe);
+    boot_cmd
+        .args(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key"])
+        .arg(key("bootstrap")?)
+        .arg("--addr-file")
+        .arg(&addr_file);
+    let boot_status = work.join("bootstrap.jsonl");
+    if a.relay {
+        boot_cmd
+            .args(["--relay", "--run"])
+            .arg(&run_path)
+            .args(["--steps", &a.steps.to_string(), "--status"])
+            .arg(&boot_status);
+    }
     let boot = Proc {
         name: "bootstrap".into(),
-        child: Command::new(&exe)
-            .args(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key"])
-            .arg(key("bootstrap")?)
-            .arg("--addr-file")
-            .arg(&addr_file)
+        child: boot_cmd
             .stdout(Stdio::null())
             .stderr(log("bootstrap")?)
             .spawn()?,
-        status: PathBuf::new(),
+        status: boot_status.clone(),
     };
     let t0 = Instant::now();
     let boot_addr = loop {
@@ -188,18 +281,18 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    run.timing.genesis_ms = now_ms() + a.start_in * 1000;
-    run.validate()?;
-    let run_path = work.join("run.toml");
-    std::fs::write(&run_path, toml::to_string(&run)?)?;
     eprintln!(
-        "swarm demo: {} trainers, {} steps of {} ms, run {}, bootstrap {boot_addr}",
+        "swarm demo: {} trainers, {} steps of {} ms, run {}, {} {boot_addr}",
         a.trainers,
         a.steps,
         a.period_ms,
-        &run.run_id().to_hex()[..16]
+        &run.run_id().to_hex()[..16],
+        if a.relay { "relay" } else { "bootstrap" }
     );
 
+    let mesh = a
+        .mesh
+        .unwrap_or(if a.relay { 2 } else { node::net::DEFAULT_MESH });
     let mut procs = Vec::new();
     for i in 0..a.trainers {
         let name = format!("node{i}");
@@ -230,6 +323,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             ])
             .args(["--steps", &a.steps.to_string(), "--status"])
             .arg(&status)
+            .args(["--mesh", &mesh.to_string()])
             .arg("--checkpoint-dir")
             .arg(work.join(&name))
             .stdout(Stdio::null())
@@ -351,7 +445,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .collect();
     let names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
     drop(procs);
+    let relay_rows: Vec<Status> = read_status(&boot.status)
+        .into_iter()
+        .filter(|s| s.step < a.steps)
+        .collect();
     drop(boot);
+    let (spread_ms, updates_not_everywhere) = spread(&rows);
+    let relay_mean = |f: &dyn Fn(&Status) -> u64| {
+        (!relay_rows.is_empty())
+            .then(|| relay_rows.iter().map(|s| f(s) as f64).sum::<f64>() / relay_rows.len() as f64)
+    };
 
     // Digest agreement: every step that every trainer applied.
     let by_step: Vec<BTreeMap<u64, &Status>> = rows
@@ -377,6 +480,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let mean = |f: &dyn Fn(&Status) -> u64| all.iter().map(|s| f(s) as f64).sum::<f64>() / n;
     let update_bytes = all.iter().map(|s| s.update_bytes).max().unwrap_or(0);
     let mean_out = mean(&|s| s.bytes_out);
+    let later: Vec<&&Status> = all.iter().filter(|s| s.step > 0).collect();
+    let mean_out_later =
+        later.iter().map(|s| s.bytes_out as f64).sum::<f64>() / later.len().max(1) as f64;
 
     // The final model, from one trainer's checkpoint, evaluated on held-out data.
     let spec = crate::trainer::data_spec(&run, None)?;
@@ -445,7 +551,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
         } else {
             0.0
         },
+        upload_amplification_after_first_step: if update_bytes > 0 {
+            mean_out_later / update_bytes as f64
+        } else {
+            0.0
+        },
         mean_train_ms: mean(&|s| s.train_ms),
+        spread_ms,
+        updates_not_everywhere,
+        relay_bytes_out_per_step: relay_mean(&|s| s.bytes_out),
+        relay_bytes_in_per_step: relay_mean(&|s| s.bytes_in),
         final_eval_loss: final_eval,
         adamw_final_eval_loss: adamw.as_ref().map(|r| r.final_eval_loss),
         adamw_bytes_per_step: adamw
@@ -521,6 +636,22 @@ pub fn run(a: DemoArgs) -> Result<()> {
         final_eval.map_or("-".into(), |l| format!("{l:.4}")),
         report.adamw_final_eval_loss.map_or(String::new(), |l| format!(" (AdamW all-reduce {l:.4})"))
     );
+    println!(
+        "after step 0 (joining): {:.0} B out per node per step, upload amplification {:.2}x",
+        mean_out_later, report.upload_amplification_after_first_step
+    );
+    if let Some(sp) = spread_ms {
+        println!(
+            "publish until every other trainer holds it: median {} ms, p90 {} ms, max {} ms over {} updates ({} not everywhere in time)",
+            sp.median, sp.p90, sp.max, sp.updates, updates_not_everywhere
+        );
+    }
+    if let (Some(o), Some(i)) = (
+        report.relay_bytes_out_per_step,
+        report.relay_bytes_in_per_step,
+    ) {
+        println!("relay per step: {o:.0} B out, {i:.0} B in");
+    }
     println!("wrote {}, {}", json.display(), png.display());
     if !agree {
         bail!(

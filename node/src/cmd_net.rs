@@ -42,7 +42,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use protocol::checkpoint::CheckpointChunk;
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::RunConfig;
-use protocol::wire::Message;
+use protocol::wire::{caps, Message};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -113,9 +113,40 @@ pub struct RunArgs {
     /// tokens). Used by the fault drills to show the defences at work on real processes.
     #[arg(long, value_enum, hide_short_help = true)]
     pub adversary: Option<Adversary>,
+    /// gossipsub mesh degree. With a relay among the --bootstrap peers (`swarm bootstrap
+    /// --relay`) updates do not travel the mesh, only headers and summaries do, and 2 keeps
+    /// this node's control traffic well below its update (see docs/BENCHMARKS.md).
+    #[arg(long, default_value_t = node::net::DEFAULT_MESH)]
+    pub mesh: usize,
+    /// Set by `swarm bootstrap --run`: what this node does in the run.
+    #[arg(skip)]
+    pub role: Role,
+    /// Set by `swarm bootstrap --addr-file`.
+    #[arg(skip)]
+    pub addr_file: Option<PathBuf>,
+}
+
+/// What a node does in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// Trains, publishes its updates, applies, serves (`swarm run`).
+    #[default]
+    Trainer,
+    /// A seed in the run (`swarm bootstrap --run`): follows it without training — applies
+    /// every step, relays gossip, serves blobs and checkpoints, attests digests.
+    Seed,
+    /// A seed that is also a first hop (`--relay`): takes each trainer's update as a direct
+    /// upload, verifies it, gossips the header and serves the blob.
+    Relay,
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+swarm bootstrap --listen /ip4/0.0.0.0/tcp/4001 --key seed.key\n      \
+discovery only: trainers find each other through it\n  \
+swarm bootstrap --listen /ip4/0.0.0.0/tcp/4001 --key seed.key --run run.toml --relay\n      \
+a seed in the run and its first hop: each trainer uploads its update to it once, it gossips\n      \
+the header and serves the blob to everyone (put it where upload bandwidth is plentiful)")]
 pub struct BootstrapArgs {
     /// Listen address, e.g. /ip4/0.0.0.0/tcp/4001 or /ip4/0.0.0.0/udp/4001/quic-v1.
     #[arg(long, num_args = 1.., required = true)]
@@ -125,6 +156,32 @@ pub struct BootstrapArgs {
     /// Write the full listen multiaddrs (with /p2p/ID), one a line, to this file once known.
     #[arg(long)]
     pub addr_file: Option<PathBuf>,
+    /// Also take part in this run (the same file the trainers use) without training: join its
+    /// topic and relay gossip, apply every step, serve update blobs and checkpoints to
+    /// joiners, attest parameter digests. Without it the peer helps discovery only.
+    #[arg(long)]
+    pub run: Option<PathBuf>,
+    /// Be the run's first hop (needs --run): trainers that see a relay upload each update to
+    /// it once instead of gossiping it, and fetch the others' blobs from it first, so a node's
+    /// upload per step is about one update whatever the swarm's size. If the relay withholds
+    /// an update, its sender's summary still lists it and peers fetch it from the sender.
+    #[arg(long, requires = "run")]
+    pub relay: bool,
+    /// With --run: override the run's genesis (unix ms), as the trainers do.
+    #[arg(long, requires = "run")]
+    pub genesis_ms: Option<u64>,
+    /// With --run: one JSON line per applied step, as `swarm run --status`.
+    #[arg(long, requires = "run")]
+    pub status: Option<PathBuf>,
+    /// With --run: leave after this many steps.
+    #[arg(long, requires = "run")]
+    pub steps: Option<u64>,
+    /// With --run: the run's data file (spot checks recompute peers' batches from it).
+    #[arg(long, requires = "run")]
+    pub data: Option<String>,
+    /// With --run: serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, requires = "run")]
+    pub metrics: Option<SocketAddr>,
 }
 
 pub fn load_run(path: &std::path::Path, genesis_ms: Option<u64>) -> Result<RunConfig> {
@@ -155,6 +212,28 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
+    if let Some(run_file) = a.run {
+        return run(RunArgs {
+            run: run_file,
+            key: a.key,
+            bootstrap: Vec::new(),
+            listen: a.listen,
+            genesis_ms: a.genesis_ms,
+            device: "cpu".into(),
+            data: a.data,
+            checkpoint_dir: None,
+            checkpoint_every: 1,
+            metrics: a.metrics,
+            status: a.status,
+            steps: a.steps,
+            batch: None,
+            threads: Some(1),
+            adversary: None,
+            mesh: node::net::DEFAULT_MESH,
+            role: if a.relay { Role::Relay } else { Role::Seed },
+            addr_file: a.addr_file,
+        });
+    }
     let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
     runtime()?.block_on(async move {
         let mut reg = libp2p::metrics::Registry::default();
@@ -228,6 +307,11 @@ pub struct StatusLine {
     pub tokens: u64,
     /// Tokens of all the updates applied in the step, as their headers state them.
     pub included_tokens: u64,
+    /// When this node handed its own update for the step to the network (unix ms).
+    pub published_ms: Option<u64>,
+    /// When each peer's update for the step checked out here (peer id → unix ms); only those
+    /// that arrived before this line was written (at the step's apply).
+    pub arrivals: BTreeMap<String, u64>,
 }
 
 struct Gauges {
@@ -340,7 +424,22 @@ struct Node {
     banned: HashSet<PeerId>,
     /// Per step: (own tokens, tokens of the applied set).
     tokens: BTreeMap<u64, (u64, u64)>,
+    role: Role,
+    addr_file: Option<PathBuf>,
+    listen_addrs: Vec<String>,
+    /// Per step: when this node handed its update to the engine (unix ms).
+    published: BTreeMap<u64, u64>,
+    /// Per step: when each peer's update checked out here (sender → unix ms), for the
+    /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
+    arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
 }
+
+/// Run peers from which on discovery slows down: twice gossipsub's `mesh_n_low`; gossip and
+/// the slower kademlia walks find the rest.
+const DISCOVER_ENOUGH_PEERS: usize = 4;
+
+/// Steps of per-step bookkeeping kept (status lines are written a step behind at most).
+const KEEP_STEPS: usize = 64;
 
 impl Node {
     fn feed(&mut self, ev: Event) {
@@ -417,7 +516,8 @@ impl Node {
                 }
             }
             Action::StartStep { step, .. } => {
-                if self.done_at.is_none() {
+                // Seeds and relays follow the run without training.
+                if self.done_at.is_none() && self.role == Role::Trainer {
                     self.to_trainer(Cmd::Train { step });
                 }
             }
@@ -482,6 +582,15 @@ impl Node {
                     "the loaded checkpoint was never attested by a quorum; asking again"
                 ),
                 Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
+                Report::Verified { step, sender } => {
+                    let a = self.arrivals.entry(step).or_default();
+                    if a.len() < self.engine.run().limits.max_updates_per_step as usize {
+                        a.entry(sender.peer_id_string()).or_insert_with(now_ms);
+                    }
+                    while self.arrivals.len() > KEEP_STEPS {
+                        self.arrivals.pop_first();
+                    }
+                }
                 other => tracing::info!("{other:?}"),
             },
         }
@@ -490,12 +599,18 @@ impl Node {
     fn on_swarm(&mut self, ev: SwarmEvent<BehaviourEvent>) {
         match ev {
             SwarmEvent::NewListenAddr { address, .. } => {
-                tracing::info!(
-                    "listening on {}",
-                    address
-                        .clone()
-                        .with(Protocol::P2p(*self.swarm.local_peer_id()))
-                );
+                let full = address.with(Protocol::P2p(*self.swarm.local_peer_id()));
+                tracing::info!("listening on {full}");
+                if self.role != Role::Trainer {
+                    // A seed's addresses are what operators hand out: on stdout, as without --run.
+                    println!("{full}");
+                }
+                self.listen_addrs.push(full.to_string());
+                if let Some(f) = &self.addr_file {
+                    if let Err(e) = std::fs::write(f, self.listen_addrs.join("\n") + "\n") {
+                        tracing::warn!("{}: {e}", f.display());
+                    }
+                }
             }
             SwarmEvent::ConnectionEstablished { peer_id, .. } if self.banned.contains(&peer_id) => {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
@@ -683,6 +798,10 @@ impl Node {
                 self.tokens.entry(step).or_default().0 = tokens;
                 while self.tokens.len() > 64 {
                     self.tokens.pop_first();
+                }
+                self.published.insert(step, now_ms());
+                while self.published.len() > KEEP_STEPS {
+                    self.published.pop_first();
                 }
                 let (blob, tokens) = match self.adversary {
                     Some(a) => a.corrupt(self.engine.run(), step, blob, tokens),
@@ -1015,6 +1134,8 @@ impl Node {
             fetches: m.fetches,
             tokens,
             included_tokens,
+            published_ms: self.published.get(&step).copied(),
+            arrivals: self.arrivals.get(&step).cloned().unwrap_or_default(),
         };
         tracing::info!(
             step,
@@ -1159,7 +1280,9 @@ pub fn run(a: RunArgs) -> Result<()> {
             _ => bail!("trainer exited"),
         };
         let mut reg = libp2p::metrics::Registry::default();
-        let swarm = net::build_swarm(net::keypair(&id), &NetConfig::for_run(&run), &mut reg)?;
+        let mut ncfg = NetConfig::for_run(&run);
+        ncfg.mesh = a.mesh;
+        let swarm = net::build_swarm(net::keypair(&id), &ncfg, &mut reg)?;
         let gauges = Gauges {
             step: Gauge::default(),
             peers: Gauge::default(),
@@ -1257,7 +1380,25 @@ pub fn run(a: RunArgs) -> Result<()> {
             ckpt_asked: (0, Vec::new()),
             banned: HashSet::new(),
             tokens: BTreeMap::new(),
+            role: a.role,
+            addr_file: a.addr_file.clone(),
+            listen_addrs: Vec::new(),
+            published: BTreeMap::new(),
+            arrivals: BTreeMap::new(),
         };
+        match a.role {
+            Role::Trainer => {}
+            Role::Seed => node
+                .engine
+                .set_listen(Vec::new(), caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS),
+            Role::Relay => node.engine.set_listen(
+                Vec::new(),
+                caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS | caps::RELAY,
+            ),
+        }
+        if a.role != Role::Trainer {
+            tracing::info!(role = ?a.role, "following the run without training");
+        }
         node.add_snapshot(first);
         if resumed > 0 && now < node.engine.run().timing.publish_deadline(resumed) {
             // Restarted within the step after the one saved: the swarm will attest exactly
@@ -1268,6 +1409,14 @@ pub fn run(a: RunArgs) -> Result<()> {
                 digest: genesis,
             });
         }
+        // First hops are only the bootstrap peers the operator chose (any peer can claim the
+        // relay capability; SECURITY.md).
+        node.engine.set_trusted_relays(
+            a.bootstrap
+                .iter()
+                .filter_map(split_p2p)
+                .filter_map(|(p, _)| net::node_id(&p)),
+        );
         node.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
         for l in &a.listen {
             node.swarm.listen_on(l.clone())?;
@@ -1294,6 +1443,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         node.feed(Event::Timer);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut discover = tokio::time::interval(Duration::from_secs(5));
+        let mut last_discover = 0u64;
         loop {
             let wait = node.timer.map_or(Duration::from_secs(3600), |t| {
                 Duration::from_millis(t.saturating_sub(now_ms()))
@@ -1319,7 +1469,13 @@ pub fn run(a: RunArgs) -> Result<()> {
                     }
                 }
                 _ = discover.tick() => {
-                    if !a.bootstrap.is_empty() {
+                    // A kademlia bootstrap is a burst of queries to every known peer: often
+                    // while this node knows few peers of the run, then once a minute (at every
+                    // 5 s it was most of a node's upload per step once updates went to a relay).
+                    let few = node.members.len() < DISCOVER_ENOUGH_PEERS;
+                    let since = now_ms().saturating_sub(last_discover);
+                    if !a.bootstrap.is_empty() && (few || since >= 60_000) {
+                        last_discover = now_ms();
                         let _ = node.swarm.behaviour_mut().kad.bootstrap();
                     }
                 }

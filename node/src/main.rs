@@ -49,7 +49,8 @@ enum Cmd {
     Id { key: std::path::PathBuf },
     /// Join a run: train with the swarm over libp2p (see `swarm run --help`).
     Run(Box<cmd_net::RunArgs>),
-    /// Run a discovery-only peer that trainers list as --bootstrap.
+    /// Run a seed peer that trainers list as --bootstrap: discovery only, or (with --run) also
+    /// in the run, and with --relay the first hop that takes each node's upload once.
     Bootstrap(cmd_net::BootstrapArgs),
     /// A whole swarm on this machine: a bootstrap peer and 4 trainers as processes on loopback,
     /// a live view, then a report (JSON + PNG) beside AdamW + all-reduce.

@@ -59,7 +59,7 @@ pub struct NetConfig {
     /// gossipsub's `max_transmit_size`: the engine's largest frame plus the RPC envelope
     /// (author key, signature, seqno, topic).
     pub max_transmit: usize,
-    /// Largest request frame (a direct Hello is the biggest).
+    /// Largest request frame: a direct Hello, or an update uploaded to a relay (header + blob).
     pub max_request: usize,
     /// Largest response (an update frame: header + blob; or a checkpoint chunk/manifest).
     pub max_response: usize,
@@ -67,7 +67,12 @@ pub struct NetConfig {
     pub topic: Option<String>,
     pub max_connections: u32,
     pub request_timeout: Duration,
+    /// gossipsub's mesh degree (`mesh_n`; the others follow from it, see [`gossip_config`]).
+    pub mesh: usize,
 }
+
+/// gossipsub's default mesh degree.
+pub const DEFAULT_MESH: usize = 6;
 
 /// Room gossipsub's protobuf envelope takes around our frame: 36-byte key, 64-byte signature,
 /// seqno, topic string (~80 bytes) and field tags, with headroom.
@@ -83,13 +88,14 @@ impl NetConfig {
             (l.max_checkpoint_chunk_bytes.max(l.max_manifest_bytes) as usize) + RESPONSE_ENVELOPE;
         NetConfig {
             max_transmit: l.max_message_bytes as usize + GOSSIP_ENVELOPE,
-            max_request: l.max_message_bytes as usize,
+            max_request: (l.max_message_bytes as usize).max(update),
             max_response: update.max(ckpt),
             topic: Some(run.topic()),
             max_connections: 256,
             // Long enough for a multi-megabyte blob on a slow link; a step's summary window
             // bounds how long a fetch can be useful anyway.
             request_timeout: Duration::from_millis(run.timing.summary_ms.max(run.timing.period_ms)),
+            mesh: DEFAULT_MESH,
         }
     }
 
@@ -102,6 +108,7 @@ impl NetConfig {
             topic: None,
             max_connections: 1024,
             request_timeout: Duration::from_secs(10),
+            mesh: DEFAULT_MESH,
         }
     }
 }
@@ -245,18 +252,29 @@ fn message_id(m: &gossipsub::Message) -> MessageId {
     MessageId::from(blake3::hash(&m.data).as_bytes().to_vec())
 }
 
+/// gossipsub for a run. `cfg.mesh` below the default makes a lean mesh, for nodes whose
+/// updates go through a relay (`swarm run --mesh 2`): only headers and summaries then travel
+/// the mesh, and each message forwarded to six peers, plus lazy IHAVE gossip to six more and
+/// a flood-published summary to every peer, cost more than the update itself (measured:
+/// docs/BENCHMARKS.md). Fewer forwards, IHAVE to as many peers as the mesh holds, and own
+/// messages to mesh peers only (the relay still flood-publishes the headers it verified).
 pub fn gossip_config(cfg: &NetConfig) -> Result<gossipsub::Config, NetError> {
-    gossipsub::ConfigBuilder::default()
-        .validation_mode(ValidationMode::Strict)
+    let n = cfg.mesh.clamp(1, 12);
+    let mut b = gossipsub::ConfigBuilder::default();
+    b.validation_mode(ValidationMode::Strict)
         .validate_messages()
         .message_id_fn(message_id)
         .max_transmit_size(cfg.max_transmit)
         .heartbeat_interval(Duration::from_millis(700))
-        // Small swarms: keep everyone in the mesh rather than waiting for six peers.
-        .mesh_n_low(2)
-        .mesh_outbound_min(1)
-        .build()
-        .map_err(|e| NetError::Gossip(e.to_string()))
+        .mesh_n(n)
+        // Small swarms: keep everyone in the mesh rather than waiting for a full one.
+        .mesh_n_low(if n >= DEFAULT_MESH { 2 } else { 1 })
+        .mesh_n_high((2 * n).max(n + 1))
+        .mesh_outbound_min(if n >= 2 { 1 } else { 0 });
+    if n < DEFAULT_MESH {
+        b.gossip_lazy(n).flood_publish(false);
+    }
+    b.build().map_err(|e| NetError::Gossip(e.to_string()))
 }
 
 /// Score parameters: a provably invalid message costs a relay most of the way to the graylist.

@@ -90,3 +90,48 @@ fn kill_9_one_trainer_and_the_rest_go_on_agreeing() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `bootstrap --relay` with real processes: trainers upload each update to the relay once, it
+/// gossips the headers and serves the blobs, and everyone still applies the same sets. The
+/// relay, not the trainers, pays the fan-out.
+#[test]
+fn with_a_relay_the_relay_carries_the_fan_out_and_digests_agree() {
+    let out = std::env::temp_dir().join(format!("swarm-demo-relay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let res = Command::new(env!("CARGO_BIN_EXE_swarm"))
+        .args([
+            "demo",
+            "--trainers",
+            "3",
+            "--steps",
+            "6",
+            "--period-ms",
+            "1500",
+            "--start-in",
+            "6",
+            "--no-baseline",
+            "--relay",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["digests_agree"], true, "{r}");
+    for n in r["nodes"].as_array().unwrap() {
+        let steps = n["steps"].as_array().unwrap();
+        assert!(steps.iter().skip(1).all(|s| s["included"] == 3), "{n}");
+    }
+    let relay_out = r["relay_bytes_out_per_step"].as_f64().expect("relay bytes");
+    let trainer_out = r["mean_bytes_out_per_step"].as_f64().unwrap();
+    assert!(
+        relay_out > 2.0 * trainer_out,
+        "the relay serves the blobs: {relay_out} vs {trainer_out} per trainer"
+    );
+    assert!(r["spread_ms"]["updates"].as_u64().unwrap() > 0, "{r}");
+    let _ = std::fs::remove_dir_all(&out);
+}

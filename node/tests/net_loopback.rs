@@ -20,6 +20,7 @@ fn config() -> NetConfig {
         topic: Some("swarm/test/v1".into()),
         max_connections: 16,
         request_timeout: Duration::from_secs(5),
+        mesh: node::net::DEFAULT_MESH,
     }
 }
 

@@ -179,6 +179,12 @@ pub enum Report {
         gain: f64,
         reputation: i32,
     },
+    /// An update's blob arrived and checked out (for latency figures: the shell stamps the
+    /// time). Not reported for this node's own update.
+    Verified {
+        step: u64,
+        sender: NodeId,
+    },
     /// The later of two near-identical updates of one step was taken for a copy.
     CopySuspected {
         sender: NodeId,
@@ -275,6 +281,10 @@ pub struct Metrics {
     pub withheld: u64,
     /// Updates listed by some summary but left out by the majority rule.
     pub outvoted: u64,
+    /// Own updates uploaded to a first-hop relay instead of gossiped.
+    pub uploads: u64,
+    /// (A relay) uploads verified and their headers gossiped.
+    pub relayed: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -352,6 +362,9 @@ pub struct Engine {
     me_id: NodeId,
     capabilities: u64,
     listen: Vec<String>,
+    /// Peers this node accepts as first hops, if they announce [`caps::RELAY`] (the shell
+    /// passes the bootstrap peers its operator chose): any peer can claim the capability.
+    trusted_relays: BTreeSet<NodeId>,
     sync: SyncState,
     /// Parameter version (steps applied) and digest.
     version: u64,
@@ -425,6 +438,7 @@ impl Engine {
             me_id,
             capabilities: caps::TRAIN | caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS,
             listen: Vec::new(),
+            trusted_relays: BTreeSet::new(),
             sync,
             version: 0,
             digest,
@@ -462,6 +476,12 @@ impl Engine {
             .filter(|a| a.len() <= l.max_addr_len as usize)
             .collect();
         self.capabilities = capabilities;
+    }
+
+    /// The peers this node may use as first-hop relays (see [`caps::RELAY`]); at most two of
+    /// them, connected and announcing the capability, are used.
+    pub fn set_trusted_relays(&mut self, peers: impl IntoIterator<Item = NodeId>) {
+        self.trusted_relays = peers.into_iter().take(16).collect();
     }
 
     pub fn node_id(&self) -> NodeId {
@@ -735,6 +755,11 @@ impl Engine {
             }
             Message::Summary(s) => self.on_summary(from, tag, s, now, out),
             Message::Equivocation(p) => self.on_proof(from, tag, p, now, out),
+            Message::Update { header, blob }
+                if tag.is_none() && self.capabilities & caps::RELAY != 0 =>
+            {
+                self.on_upload(from, header, blob, now, out)
+            }
             other => {
                 // Updates, manifests and chunks come as responses, never as gossip.
                 Self::verdict(tag, Verdict::Reject, out);
@@ -802,8 +827,12 @@ impl Engine {
                 Self::verdict(tag, if ok { Verdict::Accept } else { Verdict::Reject }, out);
             }
             None => {
-                // Fetch from the relay first (it forwards only what it verified), then the sender.
-                let added = self.want(id, step, &[from, sender], out);
+                // Fetch from a first-hop relay if one is connected (it gossips only headers whose
+                // blob it holds), else from whoever relayed the header (it forwards only what it
+                // verified), then the sender.
+                let mut from_ = self.relays();
+                from_.extend([from, sender]);
+                let added = self.want(id, step, &from_, out);
                 match (added, tag) {
                     (true, Some(t)) => self.wants.get_mut(&id).expect("just added").tags.push(t),
                     (false, _) => Self::verdict(tag, Verdict::Ignore, out),
@@ -961,6 +990,7 @@ impl Engine {
                     }
                 }
                 self.resolve_want(id, Verdict::Accept, out);
+                out.push(Action::Report(Report::Verified { step, sender }));
                 self.detect_copy(step, sender, out);
                 for (t, n) in twins {
                     self.detect_copy(t, n, out);
@@ -1051,7 +1081,9 @@ impl Engine {
                 .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
                 .is_some_and(|e| e.blob.is_some() || e.invalid);
             if !held {
-                self.want(*id, step, &[sender, from], out);
+                let mut from_ = self.relays();
+                from_.extend([sender, from]);
+                self.want(*id, step, &from_, out);
             }
         }
         self.check_desync(out);
@@ -1338,12 +1370,29 @@ impl Engine {
             Err(e) => return refuse(e, out),
         };
         let signed = Signed::sign(header, &self.me);
-        let inline = blob.len() <= self.run.limits.inline_blob_bytes as usize;
-        let frame = Message::Announce {
-            header: signed.clone(),
-            blob: inline.then(|| blob.clone()),
-        }
-        .encode();
+        // With a first-hop relay connected, upload the update to it once and let it gossip
+        // the header and serve the blob (a slow uplink then carries each update once). Should
+        // the relay withhold it, this node's own summary still lists the blob at the publish
+        // deadline and peers fetch it from here: the update is late, never lost.
+        let relay = self.relays().first().copied();
+        let (frame, relay) = match relay {
+            Some(r) => (
+                Message::Update {
+                    header: signed.clone(),
+                    blob: blob.clone(),
+                }
+                .encode(),
+                Some(r),
+            ),
+            None => {
+                let inline = blob.len() <= self.run.limits.inline_blob_bytes as usize;
+                let f = Message::Announce {
+                    header: signed.clone(),
+                    blob: inline.then(|| blob.clone()),
+                };
+                (f.encode(), None)
+            }
+        };
         self.by_blob.insert((signed.body.blob, step), self.me_id);
         self.steps.entry(step).or_default().headers.insert(
             self.me_id,
@@ -1355,7 +1404,67 @@ impl Engine {
                 copy: false,
             },
         );
-        out.push(Action::Publish { bytes: frame });
+        match relay {
+            Some(peer) => {
+                self.metrics.uploads += 1;
+                out.push(Action::Send { peer, bytes: frame })
+            }
+            None => out.push(Action::Publish { bytes: frame }),
+        }
+    }
+
+    /// Trusted peers that are connected and announced [`caps::RELAY`] (not banned, not this
+    /// node), lowest id first so every node picks the same one; at most two, because each is
+    /// asked first for every blob and a withholding one costs a failed fetch before the
+    /// fallback.
+    fn relays(&self) -> Vec<NodeId> {
+        if self.capabilities & caps::RELAY != 0 {
+            return Vec::new();
+        }
+        self.trusted_relays
+            .iter()
+            .filter(|n| {
+                **n != self.me_id
+                    && self.peers.get(n).is_some_and(|p| {
+                        p.connected && !p.banned && p.capabilities & caps::RELAY != 0
+                    })
+            })
+            .copied()
+            .take(2)
+            .collect()
+    }
+
+    /// A relay's side of an upload: `Message::Update` sent directly by its signer. Checked as a
+    /// gossiped header with its blob (the same deadline, the same rules); once the blob checks
+    /// out, the header alone is gossiped, and peers fetch the blob from here.
+    fn on_upload(
+        &mut self,
+        from: NodeId,
+        header: Signed<UpdateHeader>,
+        blob: Vec<u8>,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let (step, sender) = (header.body.step, header.body.sender);
+        if from != sender {
+            // Only a signer uploads its own update; anything else is not for us to spread.
+            self.metrics.ignored += 1;
+            return;
+        }
+        match self.accept_header(from, header.clone(), Via::Gossip, now, out) {
+            Err((e, _)) => return self.blame(from, e, out),
+            Ok(false) => {
+                self.metrics.duplicates += 1;
+                return;
+            }
+            Ok(true) => {}
+        }
+        if self.accept_blob(from, step, sender, blob, out) {
+            self.metrics.relayed += 1;
+            out.push(Action::Publish {
+                bytes: Message::Announce { header, blob: None }.encode(),
+            });
+        }
     }
 
     // -----------------------------------------------------------------------------------------

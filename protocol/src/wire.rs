@@ -51,6 +51,10 @@ pub mod caps {
     pub const SERVE_BLOBS: u64 = 2;
     /// Serves checkpoints.
     pub const SERVE_CHECKPOINTS: u64 = 4;
+    /// A first hop (`swarm bootstrap --relay`): takes `Message::Update` uploads sent to it
+    /// directly by their signers, verifies them, gossips their headers and serves their
+    /// blobs, so that a node on a slow uplink uploads each update once.
+    pub const RELAY: u64 = 8;
 }
 
 // ---------------------------------------------------------------------------------------------

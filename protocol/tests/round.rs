@@ -416,3 +416,90 @@ fn early_arrivals_are_buffered_within_their_bound() {
     assert_eq!(h[&2].0.iter().filter(|id| ids.contains(id)).count(), 3);
     assert_agree(&sim, &[0, 1], 4);
 }
+
+/// Node 3 of 4 is a first-hop relay (`caps::RELAY`, no training).
+fn relay_sim() -> Sim {
+    use protocol::wire::caps;
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.nodes[3].trains = false;
+    sim.nodes[3].engine.set_listen(
+        Vec::new(),
+        caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS | caps::RELAY,
+    );
+    let relay = sim.nodes[3].id;
+    for i in 0..3 {
+        sim.nodes[i].engine.set_trusted_relays([relay]);
+    }
+    sim
+}
+
+#[test]
+fn with_a_relay_each_trainer_uploads_once_and_fetches_from_the_relay() {
+    let mut sim = relay_sim();
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2, 3], 6);
+    for (step, (ids, _)) in sim.history(0) {
+        assert_eq!(ids.len(), 3, "step {step}: every trainer's update included");
+    }
+    let relay = sim.nodes[3].id;
+    for i in 0..3 {
+        let m = sim.nodes[i].engine.metrics();
+        assert!(m.uploads >= 6, "node {i} uploads to the relay: {m:?}");
+        // Its own update never goes out as gossip: only summaries do.
+        let own_announces = sim
+            .actions(i)
+            .filter(|a| match a {
+                Action::Publish { bytes } => matches!(
+                    Message::decode(bytes, &sim.run.limits),
+                    Ok(Message::Announce { .. })
+                ),
+                _ => false,
+            })
+            .count();
+        assert_eq!(own_announces, 0, "node {i} gossiped an update");
+        let elsewhere = sim
+            .actions(i)
+            .filter(|a| matches!(a, Action::Fetch { peer, .. } if *peer != relay))
+            .count();
+        assert_eq!(
+            elsewhere, 0,
+            "node {i} fetched from a trainer, not the relay"
+        );
+        assert_eq!(m.rejected, 0, "{m:?}");
+    }
+    let r = sim.nodes[3].engine.metrics();
+    assert!(r.relayed >= 18, "the relay gossips what it verified: {r:?}");
+}
+
+#[test]
+fn a_relay_nobody_chose_is_not_used() {
+    let mut sim = relay_sim();
+    for i in 0..3 {
+        sim.nodes[i].engine.set_trusted_relays([]);
+    }
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2, 3], 6);
+    for i in 0..3 {
+        assert_eq!(sim.nodes[i].engine.metrics().uploads, 0);
+    }
+    assert_eq!(sim.nodes[3].engine.metrics().relayed, 0);
+}
+
+#[test]
+fn a_withholding_relay_delays_updates_but_loses_none() {
+    let mut sim = relay_sim();
+    // The relay swallows every upload (direct messages after the hellos).
+    sim.drop = Box::new(|at, _from, to, ev| {
+        to == 3 && at > GENESIS && matches!(ev, Event::Message { tag: None, .. })
+    });
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2, 3], 6);
+    for (step, (ids, _)) in sim.history(0) {
+        assert_eq!(
+            ids.len(),
+            3,
+            "step {step}: summaries list each update and peers fetch it from its sender"
+        );
+    }
+    assert_eq!(sim.nodes[3].engine.metrics().relayed, 0);
+}

@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p sim --example attacks -- [--scenario FILE] [--out DIR]
 //!  [--trainer synthetic|tiny] [--fractions 0.1,0.25,0.4] [--steps N] [--nodes N]
-//!  [--only alie,ipm] [--defences full|off|both]`
+//!  [--only alie,ipm] [--defences full|off|both] [--jobs N]`
 //!
 //! The base scenario (default `sim/scenarios/attacks.toml`; with `--trainer tiny`,
 //! `sim/scenarios/attacks_tiny.toml`, whose optimizer suits the real model) gives nodes, links,
@@ -29,6 +29,8 @@ fn main() {
     let mut steps = None;
     let mut only: Vec<String> = Vec::new();
     let mut nodes: Option<usize> = None;
+    // Runs in parallel (each is independent and seeded; the table is the same for any value).
+    let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (mut defended, mut undefended_rows) = (true, true);
     while let Some(a) = args.next() {
         let mut val = || args.next().unwrap_or_else(|| panic!("{a} needs a value"));
@@ -51,6 +53,7 @@ fn main() {
             "--steps" => steps = Some(val().parse().expect("a number")),
             "--only" => only = val().split(',').map(String::from).collect(),
             "--nodes" => nodes = Some(val().parse().expect("a number")),
+            "--jobs" => jobs = val().parse().expect("a number"),
             "--defences" => {
                 (defended, undefended_rows) = match val().as_str() {
                     "full" => (true, false),
@@ -107,7 +110,7 @@ fn main() {
         defences.push((false, undefended));
     }
     let t0 = Instant::now();
-    let rows = adversary::sweep(&base, &attacks, &fractions, &defences, &mut |l| {
+    let rows = adversary::sweep(&base, &attacks, &fractions, &defences, jobs, &|l| {
         eprintln!("[{:6.1}s] {l}", t0.elapsed().as_secs_f64())
     })
     .unwrap_or_else(|e| panic!("{e}"));

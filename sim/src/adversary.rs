@@ -838,45 +838,90 @@ pub fn sweep(
     attacks: &[Attack],
     fractions: &[f64],
     defences: &[(bool, Vec<Attack>)],
-    progress: &mut dyn FnMut(&str),
+    jobs: usize,
+    progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Vec<Row>, crate::SimError> {
+    // Every run is independent and seeded by the scenario alone, so they may run on `jobs`
+    // threads in any order: the rows are the same, in the same order, for any `jobs`.
+    // Per defence setting: the honest-only run, the attackers-absent run per fraction (the same
+    // nodes, picked by seed and fraction, silent), then each attack at each fraction.
+    let mut plan: Vec<(bool, Option<Attack>, f64)> = Vec::new();
+    for (defended, only) in defences {
+        plan.push((*defended, None, 0.0));
+        for &f in fractions {
+            plan.push((*defended, Some(Attack::Silent), f));
+        }
+        for a in attacks {
+            if *a == Attack::Silent
+                || (!only.is_empty() && !only.iter().any(|o| o.name() == a.name()))
+            {
+                continue;
+            }
+            for &f in fractions {
+                plan.push((*defended, Some(*a), f));
+            }
+        }
+    }
+    let label = |(d, a, f): &(bool, Option<Attack>, f64)| match a {
+        None => format!("honest-only, defences {}", on_off(*d)),
+        Some(Attack::Silent) => format!(
+            "silent (absent) at {:.0}%, defences {}",
+            f * 100.0,
+            on_off(*d)
+        ),
+        Some(a) => format!(
+            "{} at {:.0}%, defences {}",
+            a.label(),
+            f * 100.0,
+            on_off(*d)
+        ),
+    };
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<crate::Metrics, crate::SimError>>>> =
+        plan.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..jobs.clamp(1, plan.len().max(1)) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(job) = plan.get(i) else { break };
+                progress(&label(job));
+                let (d, a, f) = *job;
+                let r = crate::run(&variant(base, a, f, d), &mut |_, _| {});
+                let failed = r.is_err();
+                *results[i].lock().expect("no poisoned runs") = Some(r);
+                if failed {
+                    break;
+                }
+            });
+        }
+    });
+    let mut done: Vec<Option<crate::Metrics>> = Vec::with_capacity(plan.len());
+    for r in results {
+        match r.into_inner().expect("no poisoned runs") {
+            Some(Ok(m)) => done.push(Some(m)),
+            Some(Err(e)) => return Err(e),
+            None => done.push(None),
+        }
+    }
+    let get = |d: bool, a: Option<Attack>, f: f64| -> Option<&crate::Metrics> {
+        plan.iter()
+            .position(|p| p.0 == d && p.1 == a && p.2 == f)
+            .and_then(|i| done[i].as_ref())
+    };
+    let loss = |m: Option<&crate::Metrics>| m.and_then(|m| m.totals.final_loss).unwrap_or(f64::NAN);
     let mut rows = Vec::new();
     for (defended, only) in defences {
-        progress(&format!("honest-only, defences {}", on_off(*defended)));
-        let honest = crate::run(&variant(base, None, 0.0, *defended), &mut |_, _| {})?;
-        let h = honest.totals.final_loss.unwrap_or(f64::NAN);
-        // The attackers-absent reference: the same nodes (the pick depends only on seed and
-        // fraction) silent.
-        let mut absent = Vec::new();
-        for &f in fractions {
-            progress(&format!(
-                "silent (absent) at {:.0}%, defences {}",
-                f * 100.0,
-                on_off(*defended)
-            ));
-            absent.push(crate::run(
-                &variant(base, Some(Attack::Silent), f, *defended),
-                &mut |_, _| {},
-            )?);
-        }
+        let h = loss(get(*defended, None, 0.0));
         for a in attacks {
             if !only.is_empty() && !only.iter().any(|o| o.name() == a.name()) {
                 continue;
             }
-            for (fi, &f) in fractions.iter().enumerate() {
-                let m = if *a == Attack::Silent {
-                    absent[fi].clone()
-                } else {
-                    progress(&format!(
-                        "{} at {:.0}%, defences {}",
-                        a.label(),
-                        f * 100.0,
-                        on_off(*defended)
-                    ));
-                    crate::run(&variant(base, Some(*a), f, *defended), &mut |_, _| {})?
+            for &f in fractions {
+                let abs = loss(get(*defended, Some(Attack::Silent), f));
+                let Some(m) = get(*defended, Some(*a), f) else {
+                    continue;
                 };
-                let l = m.totals.final_loss.unwrap_or(f64::NAN);
-                let abs = absent[fi].totals.final_loss.unwrap_or(f64::NAN);
+                let l = loss(Some(m));
                 let stats = m.adversary.clone().unwrap_or_default();
                 rows.push(Row {
                     attack: a.label(),
