@@ -46,6 +46,7 @@ use protocol::wire::{caps, Message};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use crate::hostile::{Adversary, Forge, Hostile, Move};
 use crate::trainer::{self, Cmd, Reply, Snapshot, Trainer};
 
 pub fn now_ms() -> u64 {
@@ -107,10 +108,9 @@ pub struct RunArgs {
     /// libtorch CPU threads.
     #[arg(long)]
     pub threads: Option<i32>,
-    /// FOR TESTS ONLY: behave as a hostile peer — publish a corrupted version of each honest
-    /// update (signflip: every value negated; noise: random coefficients and signs; zero: a
-    /// fixed all-zero update, a free rider; overclaim: the honest update claiming 16x its
-    /// tokens). Used by the fault drills to show the defences at work on real processes.
+    /// FOR TESTS ONLY: behave as a hostile peer (every attacker of the simulator that one
+    /// process can be; see node/src/hostile.rs). Used by the fault drills to show the
+    /// defences at work on real processes.
     #[arg(long, value_enum, hide_short_help = true)]
     pub adversary: Option<Adversary>,
     /// gossipsub mesh degree. With a relay among the --bootstrap peers (`swarm bootstrap
@@ -336,43 +336,6 @@ const CHUNK_BYTES: u32 = 512 * 1024;
 /// Models up to this many parameters are snapshotted after every step; bigger ones only after
 /// a peer asked for a manifest recently (a copy per step would cost real time).
 const SNAPSHOT_EVERY_STEP_PARAMS: i64 = 16 << 20;
-/// The hostile behaviours `swarm run --adversary` can put on (see `sim::adversary`, where the
-/// same transforms are measured).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Adversary {
-    Signflip,
-    Noise,
-    Zero,
-    Overclaim,
-}
-
-impl Adversary {
-    /// What a hostile node publishes instead of its honest `blob` (and the tokens it claims).
-    fn corrupt(self, run: &RunConfig, step: u64, blob: Vec<u8>, tokens: u64) -> (Vec<u8>, u64) {
-        use protocol::sparse::SparseUpdate;
-        use sim::adversary as adv;
-        let layout = run.layout();
-        let Ok(u) = SparseUpdate::decode(&blob, run.limits.max_blob_bytes as usize) else {
-            return (blob, tokens);
-        };
-        match self {
-            Adversary::Signflip => (adv::signflip(&u, &layout).encode(), tokens),
-            Adversary::Noise => {
-                let mut rng = sim::rng::derive(&[0xbad, run.seed, step]);
-                (
-                    adv::noise(&u, &layout, run.optim.topk, 10.0, &mut rng).encode(),
-                    tokens,
-                )
-            }
-            Adversary::Zero => (
-                adv::zero(&layout, run.optim.topk, run.optim.values).encode(),
-                tokens,
-            ),
-            Adversary::Overclaim => (blob, tokens.saturating_mul(16)),
-        }
-    }
-}
-
 /// Trainer commands queued beyond which spot checks are skipped (see `Action::SpotCheck`).
 const MAX_SPOT_BACKLOG: usize = 4;
 /// Outstanding checkpoint requests (manifests + chunks) of the one download.
@@ -401,7 +364,9 @@ struct Node {
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
     ckpt_every: u64,
-    adversary: Option<Adversary>,
+    hostile: Option<Hostile>,
+    /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
+    forged: VecDeque<(ContentId, Vec<u8>)>,
     name: String,
     /// Signs served manifests (the engine holds its own copy of the identity).
     id: Identity,
@@ -527,6 +492,9 @@ impl Node {
                 tracing::debug!(step, "past the last step: not applied");
             }
             Action::Apply { step, updates } => {
+                if let Some(h) = self.hostile.as_mut() {
+                    h.on_applied(self.engine.run(), &self.engine.node_id(), &updates);
+                }
                 let t: u64 = updates.iter().map(|u| u.tokens).sum();
                 self.tokens.entry(step).or_default().1 = t;
                 self.to_trainer(Cmd::Apply { step, updates })
@@ -711,7 +679,14 @@ impl Node {
                             }
                             Vec::new()
                         }
-                        Request::Blob(id) => self.engine.serve_update(&id).unwrap_or_default(),
+                        Request::Blob(id) => self
+                            .engine
+                            .serve_update(&id)
+                            .or_else(|| {
+                                let f = self.forged.iter().find(|(f, _)| *f == id);
+                                f.map(|(_, b)| b.clone())
+                            })
+                            .unwrap_or_default(),
                         Request::Manifest { min_version } => self.serve_manifest(min_version),
                         Request::Chunk { version, index } => self.serve_chunk(version, index),
                     };
@@ -803,11 +778,38 @@ impl Node {
                 while self.published.len() > KEEP_STEPS {
                     self.published.pop_first();
                 }
-                let (blob, tokens) = match self.adversary {
-                    Some(a) => a.corrupt(self.engine.run(), step, blob, tokens),
-                    None => (blob, tokens),
-                };
-                self.feed(Event::LocalUpdate { step, blob, tokens });
+                match self.hostile.as_mut() {
+                    None => self.feed(Event::LocalUpdate { step, blob, tokens }),
+                    Some(h) => {
+                        let st = self.engine.status();
+                        let forge = Forge {
+                            run_id: self.engine.run_id(),
+                            me: &self.id,
+                            pow: self.engine.pow(),
+                            base: (st.version, st.digest),
+                        };
+                        match h.act(self.engine.run(), forge, step, blob, tokens) {
+                            Move::Update { blob, tokens } => {
+                                self.feed(Event::LocalUpdate { step, blob, tokens })
+                            }
+                            Move::Nothing => {}
+                            Move::Raw { gossip, serve } => {
+                                for f in gossip {
+                                    let t = self.topic.clone();
+                                    if let Err(e) =
+                                        self.swarm.behaviour_mut().gossipsub.publish(t, f)
+                                    {
+                                        tracing::debug!("hostile publish: {e}");
+                                    }
+                                }
+                                self.forged.extend(serve);
+                                while self.forged.len() > 16 {
+                                    self.forged.pop_front();
+                                }
+                            }
+                        }
+                    }
+                }
             }
             Reply::Applied {
                 step,
@@ -873,6 +875,25 @@ impl Node {
             }
         }
         let chunk = CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32);
+        let snap = match &self.hostile {
+            Some(h) if h.kind == Adversary::FalseCheckpoint => {
+                let mut tensors = snap.tensors.clone();
+                crate::hostile::falsify(&mut tensors);
+                let m = net::build_manifest(
+                    &self.id,
+                    self.engine.run_id(),
+                    snap.version,
+                    chunk,
+                    &tensors,
+                );
+                Arc::new(Snapshot {
+                    version: snap.version,
+                    digest: m.body.digest.0,
+                    tensors,
+                })
+            }
+            _ => snap,
+        };
         let m = net::build_manifest(
             &self.id,
             self.engine.run_id(),
@@ -1365,7 +1386,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
             ckpt_every: a.checkpoint_every,
-            adversary: a.adversary,
+            hostile: a.adversary.map(Hostile::new),
+            forged: VecDeque::new(),
             name: me.peer_id_string(),
             id,
             snapshots: VecDeque::new(),

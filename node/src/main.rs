@@ -5,6 +5,7 @@ mod cmd_demo;
 mod cmd_net;
 mod cmd_sim;
 mod cmd_train;
+mod hostile;
 mod plot;
 mod trainer;
 

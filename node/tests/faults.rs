@@ -460,3 +460,62 @@ fn a_hostile_process_is_spot_checked_excluded_and_penalized() {
     }
     let _ = std::fs::remove_dir_all(&l.dir);
 }
+
+/// Protocol-level attackers as real processes beside four honest nodes: one equivocates (two
+/// signed updates per step), one publishes malformed frames and blobs, one announces updates
+/// and never serves them. None of their updates is ever applied, the equivocator is banned
+/// and the malformer penalized by every honest node, and the honest nodes agree after every
+/// step.
+#[test]
+fn equivocating_malformed_and_withholding_processes_change_nothing() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let l = Local::new("protocol-attacks", 2000, 7000);
+    let steps = "10";
+    let _honest: Vec<Proc> = (0..4)
+        .map(|i| l.node(&format!("n{i}"), &["--steps", steps]))
+        .collect();
+    let kinds = ["equivocate", "malformed", "withhold"];
+    let _bad: Vec<Proc> = kinds
+        .iter()
+        .map(|k| l.node(k, &["--steps", steps, "--adversary", k]))
+        .collect();
+    wait_until(90, "step 9 at the honest nodes", || {
+        (0..4).all(|i| last_step(&l.status(&format!("n{i}"))) >= Some(9))
+    });
+    let n: Vec<BTreeMap<u64, Line>> = (0..4).map(|i| lines(&l.status(&format!("n{i}")))).collect();
+    for i in 1..4 {
+        assert_eq!(agree(&n[0], &n[i], &format!("n0 vs n{i}")), n[0].len());
+    }
+    for (i, x) in n.iter().enumerate() {
+        for (s, line) in x {
+            assert!(
+                line.included <= 4,
+                "n{i} step {s} applied a hostile update: {line:?}"
+            );
+        }
+        // The honest updates do get in once everyone is connected.
+        assert!(x.values().skip(2).all(|l| l.included == 4), "n{i}: {x:?}");
+    }
+    let id = |name: &str| {
+        let out = swarm()
+            .arg("id")
+            .arg(l.dir.join(format!("{name}.key")))
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let (eq, mal) = (id("equivocate"), id("malformed"));
+    for i in 0..4 {
+        let log = l.log(&format!("n{i}"));
+        assert!(
+            log.lines().any(|x| x.contains("banned") && x.contains(&eq)),
+            "n{i} did not ban the equivocator {eq}:\n{log}"
+        );
+        assert!(
+            log.lines()
+                .any(|x| x.contains("penalized") && x.contains(&mal)),
+            "n{i} did not penalize the malformer {mal}:\n{log}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&l.dir);
+}

@@ -487,6 +487,10 @@ impl Engine {
     pub fn node_id(&self) -> NodeId {
         self.me_id
     }
+    /// This identity's proof of work for the run (0 when the run requires none).
+    pub fn pow(&self) -> u64 {
+        self.pow
+    }
     pub fn run_id(&self) -> RunId {
         self.run_id
     }

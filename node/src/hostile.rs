@@ -1,0 +1,213 @@
+//! `swarm run --adversary KIND`: a hostile node, FOR TESTS ONLY — the fault drills run one
+//! beside honest processes to show the defences at work over a real network (issue 6). The
+//! attacks are the simulator's (`sim::adversary`), reused, so a drill and a simulated run
+//! attack in the same way. Most content attacks replace the honest update that the engine then
+//! signs and publishes; the protocol-level ones (withholding, equivocation, malformed blobs)
+//! bypass the engine, which would refuse to sign them, and gossip forged frames directly.
+//!
+//! What a node cannot do alone: a Sybil flood needs many identities (restart with fresh keys
+//! instead; the simulator's `sybil` does it in process), and ALIE and IPM see only the
+//! previous step's honest updates (one step stale: the simulator's attackers see the current
+//! step's).
+
+use std::collections::VecDeque;
+
+use crypto::{ContentId, Digest, Identity, NodeId};
+use protocol::engine::Included;
+use protocol::run::{RunConfig, RunId};
+use protocol::sparse::SparseUpdate;
+use sim::adversary as adv;
+
+/// The behaviours of `--adversary`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Adversary {
+    /// Every value of the honest update negated.
+    Signflip,
+    /// Random coefficients with random signs, ×10 where values carry magnitudes.
+    Noise,
+    /// A fixed all-zero update (a free rider).
+    Zero,
+    /// The honest update, claiming 16× its tokens.
+    Overclaim,
+    /// The honest update ×100 (values that carry magnitudes only: 1-bit signs cannot grow).
+    Scale,
+    /// "A little is enough": μ − σ·sign(μ) of the previous step's honest updates.
+    Alie,
+    /// Inner-product manipulation: −0.1·μ of the previous step's honest updates.
+    Ipm,
+    /// Another peer's update from the previous step with 1 % of its entries changed.
+    Copier,
+    /// Its own honest update of three steps ago, again.
+    Stale,
+    /// Trains but never publishes.
+    Silent,
+    /// Announces its update and never serves the blob.
+    Withhold,
+    /// Signs two different updates for every step (the honest one and its sign flip).
+    Equivocate,
+    /// Bad frames and blobs, a different malformation each step (garbage, oversize, wrong
+    /// shape, index out of range, duplicate index, non-finite value).
+    Malformed,
+    /// Trains honestly but serves joiners checkpoints with one parameter changed (signed
+    /// manifests of a digest nobody attested).
+    FalseCheckpoint,
+}
+
+/// What the hostile node does with a step's honest update.
+pub enum Move {
+    /// Hand this update to the engine, which signs and publishes it as usual.
+    Update { blob: Vec<u8>, tokens: u64 },
+    /// Publish nothing.
+    Nothing,
+    /// Bypass the engine: gossip these frames, and serve these blobs (id → `Update` frame)
+    /// to whoever asks.
+    Raw {
+        gossip: Vec<Vec<u8>>,
+        serve: Vec<(ContentId, Vec<u8>)>,
+    },
+}
+
+/// What forging a signed header needs from the engine.
+pub struct Forge<'a> {
+    pub run_id: RunId,
+    pub me: &'a Identity,
+    pub pow: u64,
+    /// The parameters the update claims to be trained on (version, digest).
+    pub base: (u64, Digest),
+}
+
+/// Others' updates kept from the last applied step.
+const KEEP_SEEN: usize = 64;
+/// How far back `stale` replays.
+const STALE_LAG: u64 = 3;
+
+pub struct Hostile {
+    pub kind: Adversary,
+    seen: Vec<SparseUpdate>,
+    own: VecDeque<(u64, Vec<u8>)>,
+}
+
+impl Hostile {
+    pub fn new(kind: Adversary) -> Hostile {
+        Hostile {
+            kind,
+            seen: Vec::new(),
+            own: VecDeque::new(),
+        }
+    }
+
+    /// The updates applied in a step: the others' are the honest sample for the next step.
+    pub fn on_applied(&mut self, run: &RunConfig, me: &NodeId, updates: &[Included]) {
+        let max = run.limits.max_blob_bytes as usize;
+        self.seen = updates
+            .iter()
+            .filter(|u| u.sender != *me)
+            .take(KEEP_SEEN)
+            .filter_map(|u| SparseUpdate::decode(&u.bytes.0, max).ok())
+            .collect();
+    }
+
+    /// The hostile move for `step`, given the honest update the trainer produced.
+    pub fn act(
+        &mut self,
+        run: &RunConfig,
+        forge: Forge,
+        step: u64,
+        blob: Vec<u8>,
+        tokens: u64,
+    ) -> Move {
+        let layout = run.layout();
+        let k = run.optim.topk;
+        let mut rng = sim::rng::derive(&[0xbad, run.seed, step]);
+        self.own.push_back((step, blob.clone()));
+        while self.own.len() > STALE_LAG as usize + 1 {
+            self.own.pop_front();
+        }
+        let Ok(u) = SparseUpdate::decode(&blob, run.limits.max_blob_bytes as usize) else {
+            return Move::Update { blob, tokens };
+        };
+        let honest: Vec<&SparseUpdate> = self.seen.iter().collect();
+        let update = |u: SparseUpdate| Move::Update {
+            blob: u.encode(),
+            tokens,
+        };
+        let forged = |b: &[u8]| {
+            adv::forge(
+                run,
+                forge.run_id,
+                forge.me,
+                forge.pow,
+                step,
+                forge.base,
+                b,
+                tokens,
+            )
+        };
+        match self.kind {
+            Adversary::Signflip => update(adv::signflip(&u, &layout)),
+            Adversary::Noise => update(adv::noise(&u, &layout, k, 10.0, &mut rng)),
+            Adversary::Zero => update(adv::zero(&layout, k, run.optim.values)),
+            Adversary::Overclaim => Move::Update {
+                blob,
+                tokens: tokens.saturating_mul(16),
+            },
+            Adversary::Scale => update(adv::scale(&u, &layout, 100.0)),
+            Adversary::Alie => update(adv::alie(&u, &honest, &layout, k, 1.0)),
+            Adversary::Ipm => update(adv::ipm(&u, &honest, &layout, k, 0.1)),
+            Adversary::Copier => match honest.first() {
+                Some(v) => update(adv::copy(v, &layout, 0.01, &mut rng)),
+                None => Move::Update { blob, tokens },
+            },
+            Adversary::Stale => match self.own.front() {
+                Some((s, old)) if *s + STALE_LAG <= step => Move::Update {
+                    blob: old.clone(),
+                    tokens,
+                },
+                _ => Move::Update { blob, tokens },
+            },
+            Adversary::Silent => Move::Nothing,
+            Adversary::Withhold => {
+                let (_, announce, _) = forged(&blob);
+                Move::Raw {
+                    gossip: vec![announce],
+                    serve: Vec::new(),
+                }
+            }
+            Adversary::Equivocate => {
+                let flipped = adv::signflip(&u, &layout).encode();
+                let (a, ann_a, upd_a) = forged(&blob);
+                let (b, ann_b, upd_b) = forged(&flipped);
+                Move::Raw {
+                    gossip: vec![ann_a, ann_b],
+                    serve: vec![(a, upd_a), (b, upd_b)],
+                }
+            }
+            Adversary::Malformed => {
+                let m = adv::Malformation::for_step(step);
+                if m.frame_level() {
+                    let f = adv::bad_frame(m, run.limits.max_message_bytes as usize, &mut rng);
+                    Move::Raw {
+                        gossip: vec![f],
+                        serve: Vec::new(),
+                    }
+                } else {
+                    let bad = adv::bad_blob(m, &u, &layout);
+                    let (id, announce, upd) = forged(&bad);
+                    Move::Raw {
+                        gossip: vec![announce],
+                        serve: vec![(id, upd)],
+                    }
+                }
+            }
+            Adversary::FalseCheckpoint => Move::Update { blob, tokens },
+        }
+    }
+}
+
+/// `false-checkpoint`: the served copy of the parameters with one value changed (the first
+/// parameter's low byte), so its digest is one no honest peer attests.
+pub fn falsify(tensors: &mut [(String, Vec<u32>, Vec<u8>)]) {
+    if let Some(b) = tensors.first_mut().and_then(|t| t.2.first_mut()) {
+        *b ^= 1;
+    }
+}
