@@ -9,6 +9,8 @@
 #
 # Usage: scripts/netns-swarm.sh SWARM_BIN OUT_DIR [NODES=4] [STEPS=10] [PERIOD_MS=2000]
 # Writes OUT_DIR/n$i.jsonl (the nodes' --status lines), n$i.log, run.toml, links.txt.
+# RELAY=1: the bootstrap peer (in the hub, unshaped) is the run's relay (`bootstrap --run
+# --relay`, status in OUT_DIR/boot.jsonl) and the nodes use a lean gossip mesh (`--mesh 2`).
 # Prints "SKIP: why" and exits 0 where namespaces cannot be made (not root, no ip/tc, no
 # permission). Everything it creates is removed on exit, however it exits.
 set -u
@@ -20,6 +22,7 @@ PERIOD=${5:-2000}
 UP=${UP:-10mbit}
 DOWN=${DOWN:-100mbit}
 SLOW=${SLOW:-10}
+RELAY=${RELAY:-0}
 TAG=sw$$
 HUB=$TAG-hub
 
@@ -69,25 +72,31 @@ for i in $(seq 0 $((NODES - 1))); do
     echo "n$i 10.77.0.$((10 + i)) up $up down $down" >> "$OUT/links.txt"
 done
 
-"$BIN" keygen --out "$OUT/boot.key" >/dev/null 2>&1
-ip netns exec "$HUB" "$BIN" bootstrap --listen /ip4/10.77.0.1/tcp/4001 --key "$OUT/boot.key" \
-    --addr-file "$OUT/boot.addr" >/dev/null 2>"$OUT/boot.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -s "$OUT/boot.addr" ] && break; sleep 0.1; done
-BOOT=$(head -n1 "$OUT/boot.addr")
-[ -n "$BOOT" ] || { echo "bootstrap did not start"; cat "$OUT/boot.log"; exit 1; }
-
 GENESIS=$(( $(date +%s%3N) + 8000 ))
 sed -e "s/^period_ms = .*/period_ms = $PERIOD/" \
     -e "s/^grace_ms = .*/grace_ms = $((PERIOD * 4 / 25))/" \
     -e "s/^summary_ms = .*/summary_ms = $((PERIOD * 8 / 25))/" \
     -e "s/^genesis_ms = .*/genesis_ms = $GENESIS/" \
     "$(dirname "$0")/../node/runs/tiny-local.toml" > "$OUT/run.toml"
+BOOT_ARGS=()
+MESH=()
+if [ "$RELAY" = 1 ]; then
+    BOOT_ARGS=(--run "$OUT/run.toml" --relay --steps "$STEPS" --status "$OUT/boot.jsonl")
+    MESH=(--mesh 2)
+fi
+"$BIN" keygen --out "$OUT/boot.key" >/dev/null 2>&1
+ip netns exec "$HUB" "$BIN" bootstrap --listen /ip4/10.77.0.1/tcp/4001 --key "$OUT/boot.key" \
+    --addr-file "$OUT/boot.addr" "${BOOT_ARGS[@]}" >/dev/null 2>"$OUT/boot.log" &
+PIDS+=($!)
+for _ in $(seq 100); do [ -s "$OUT/boot.addr" ] && break; sleep 0.1; done
+BOOT=$(head -n1 "$OUT/boot.addr")
+[ -n "$BOOT" ] || { echo "bootstrap did not start"; cat "$OUT/boot.log"; exit 1; }
+
 for i in $(seq 0 $((NODES - 1))); do
     "$BIN" keygen --out "$OUT/n$i.key" >/dev/null 2>&1
     ip netns exec "$TAG-n$i" "$BIN" run --run "$OUT/run.toml" --key "$OUT/n$i.key" \
         --bootstrap "$BOOT" --listen "/ip4/10.77.0.$((10 + i))/tcp/0" --device cpu --threads 1 \
-        --steps "$STEPS" --status "$OUT/n$i.jsonl" >/dev/null 2>"$OUT/n$i.log" &
+        --steps "$STEPS" --status "$OUT/n$i.jsonl" "${MESH[@]}" >/dev/null 2>"$OUT/n$i.log" &
     PIDS+=($!)
 done
 echo "genesis_ms $GENESIS period_ms $PERIOD nodes $NODES steps $STEPS" > "$OUT/meta.txt"
