@@ -37,8 +37,8 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use crate::error::WireError;
 use crate::run::{RunConfig, RunId};
 use crate::wire::{
-    caps, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader, UpdateRules,
-    PROTOCOL_VERSION,
+    caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader,
+    UpdateRules, PROTOCOL_VERSION,
 };
 
 /// Something that happened, fed to [`Engine::handle`].
@@ -285,6 +285,8 @@ pub struct Metrics {
     pub uploads: u64,
     /// (A relay) uploads verified and their headers gossiped.
     pub relayed: u64,
+    /// Spot checks repeated because a peer's accusation asked for them.
+    pub repeated_checks: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -314,6 +316,11 @@ struct StepState {
     equivocators: BTreeMap<NodeId, EquivocationProof>,
     summaries: BTreeMap<NodeId, StepSummary>,
     mine: Option<Vec<ContentId>>,
+    /// Senders this node spot-checked (or is checking) for the step: once each.
+    checked: BTreeSet<NodeId>,
+    /// Accusers heard for the step (one accusation each counts), and the checks they caused.
+    accusers: BTreeSet<NodeId>,
+    repeats: u32,
 }
 
 struct Want {
@@ -609,9 +616,9 @@ impl Engine {
             Event::SpotChecked {
                 step,
                 sender,
-                blob: _,
+                blob,
                 gain,
-            } => self.on_spot(step, sender, gain, &mut out),
+            } => self.on_spot(step, sender, blob, gain, &mut out),
             Event::BadCheckpoint { from } => {
                 self.blame(from, WireError::FalseCheckpoint, &mut out);
                 if let SyncState::Joining { requested, .. } = &mut self.sync {
@@ -759,6 +766,7 @@ impl Engine {
             }
             Message::Summary(s) => self.on_summary(from, tag, s, now, out),
             Message::Equivocation(p) => self.on_proof(from, tag, p, now, out),
+            Message::Accusation(a) => self.on_accusation(from, tag, a, now, out),
             Message::Update { header, blob }
                 if tag.is_none() && self.capabilities & caps::RELAY != 0 =>
             {
@@ -1666,8 +1674,13 @@ impl Engine {
             return;
         }
         let mut cand: Vec<(bool, u32, u64, NodeId, ContentId)> = Vec::new();
+        let done = self
+            .steps
+            .get(&step)
+            .map(|s| s.checked.clone())
+            .unwrap_or_default();
         for &(snd, id, _) in held {
-            if snd == self.me_id {
+            if snd == self.me_id || done.contains(&snd) {
                 continue;
             }
             let checks = self.peers.get(&snd).map_or(0, |p| p.checks);
@@ -1676,29 +1689,91 @@ impl Engine {
         }
         cand.sort();
         for &(_, _, _, snd, id) in cand.iter().take(c) {
-            let Some((b, tokens)) = self
-                .steps
-                .get(&step)
-                .and_then(|s| s.headers.get(&snd))
-                .and_then(|e| Some((e.blob.clone()?, e.header.body.tokens)))
-            else {
-                continue;
-            };
-            self.metrics.spot_checks += 1;
-            if let Some(p) = self.peer_mut(snd) {
-                p.checks += 1;
-            }
-            out.push(Action::SpotCheck {
-                step,
-                sender: snd,
-                blob: id,
-                tokens,
-                bytes: Blob(b),
-            });
+            self.check(step, snd, id, out);
         }
     }
 
-    fn on_spot(&mut self, step: u64, sender: NodeId, gain: f64, out: &mut Vec<Action>) {
+    /// Ask the trainer to spot-check `sender`'s update `id` of `step`, once per step. Returns
+    /// whether a check was asked for.
+    fn check(&mut self, step: u64, sender: NodeId, id: ContentId, out: &mut Vec<Action>) -> bool {
+        let Some(st) = self.steps.get_mut(&step) else {
+            return false;
+        };
+        let Some((b, tokens)) = st
+            .headers
+            .get(&sender)
+            .filter(|e| e.header.body.blob == id)
+            .and_then(|e| Some((e.blob.clone()?, e.header.body.tokens)))
+        else {
+            return false;
+        };
+        if !st.checked.insert(sender) {
+            return false;
+        }
+        self.metrics.spot_checks += 1;
+        if let Some(p) = self.peer_mut(sender) {
+            p.checks += 1;
+        }
+        out.push(Action::SpotCheck {
+            step,
+            sender,
+            blob: id,
+            tokens,
+            bytes: Blob(b),
+        });
+        true
+    }
+
+    /// Someone's spot check failed: repeat it here (see `Defence::accuse`). The accusation is
+    /// forwarded if it is well-formed and the first of its accuser for the step; it proves
+    /// nothing by itself, so it never lowers anyone's reputation directly.
+    fn on_accusation(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        a: Signed<Accusation>,
+        now: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let (step, accuser, accused) = (a.body.step, a.body.accuser, a.body.accused);
+        if !self.run.defence.accuse || a.body.run != self.run_id {
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        if let Err(e) = self.in_window(step, now) {
+            Self::verdict(tag, Verdict::Ignore, out);
+            return self.blame(from, e, out);
+        }
+        if self.is_banned(&accuser) || accuser == accused {
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        if let Err(e) = a.verify() {
+            Self::verdict(tag, Verdict::Reject, out);
+            return self.blame(from, e, out);
+        }
+        let budget = 2 * self.run.defence.spot_checks;
+        let st = self.steps.entry(step).or_default();
+        if !st.accusers.insert(accuser) {
+            // One accusation per accuser and step counts: the rest are not forwarded.
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        Self::verdict(tag, Verdict::Accept, out);
+        let synced = self.sync == SyncState::Synced;
+        if accused != self.me_id && synced && st.repeats < budget {
+            if self.check(step, accused, a.body.blob, out) {
+                self.steps.get_mut(&step).expect("entered above").repeats += 1;
+                self.metrics.repeated_checks += 1;
+            }
+        }
+    }
+
+    fn on_spot(
+        &mut self,
+        step: u64,
+        sender: NodeId,
+        blob: ContentId,
+        gain: f64,
+        out: &mut Vec<Action>,
+    ) {
         if sender == self.me_id {
             return;
         }
@@ -1725,6 +1800,24 @@ impl Engine {
         }));
         if !ok {
             self.metrics.spot_failures += 1;
+            if self.run.defence.accuse && self.sync == SyncState::Synced {
+                let a = Accusation {
+                    run: self.run_id,
+                    step,
+                    accuser: self.me_id,
+                    accused: sender,
+                    blob,
+                };
+                // Counted as heard here, so our own accusation coming back is not forwarded.
+                self.steps
+                    .entry(step)
+                    .or_default()
+                    .accusers
+                    .insert(self.me_id);
+                out.push(Action::Publish {
+                    bytes: Message::Accusation(Signed::sign(a, &self.me)).encode(),
+                });
+            }
             if rep <= REP_OFFENDER {
                 self.blame(sender, WireError::HarmfulUpdate, out);
             }

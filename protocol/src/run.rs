@@ -152,6 +152,13 @@ pub struct Defence {
     /// A peer first heard from more than this many steps after the node synced is on probation
     /// until it passes a spot check: its updates are not listed (0 = no probation).
     pub probation_steps: u32,
+    /// Gossip each failed spot check as an `Accusation`; a node that hears one repeats the
+    /// check itself (at most one accusation per accuser and `2 × spot_checks` repeats per
+    /// step), so most honest nodes condemn an offender in the step after the first catch
+    /// instead of waiting to sample it. Absent from the run id when off (older runs keep
+    /// theirs).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub accuse: bool,
 }
 
 impl Defence {
@@ -167,6 +174,7 @@ impl Defence {
             copy_overlap_permille: 900,
             pow_bits: 8,
             probation_steps: 4,
+            accuse: true,
         }
     }
 }

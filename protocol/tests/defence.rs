@@ -202,3 +202,45 @@ fn a_false_checkpoint_server_is_banned() {
     assert!(sim.nodes[0].engine.is_banned(&liar));
     assert!(penalized_for(&sim, 0, &liar, |e| *e == WireError::FalseCheckpoint));
 }
+
+/// The last step at which any honest node included the harmful node's update.
+fn last_included(sim: &Sim, honest: &[usize], bad: usize) -> Option<u64> {
+    honest
+        .iter()
+        .filter_map(|&i| included_from(sim, i, bad, 0).into_iter().max())
+        .max()
+}
+
+#[test]
+fn accusations_get_a_harmful_peer_out_sooner() {
+    // 12 nodes, each checking one peer per step: without accusations the harmful one waits to
+    // be sampled by a majority; with them, the first catch makes everyone check it.
+    let run_with = |accuse: bool| {
+        let d = Defence {
+            majority: true,
+            spot_checks: 1,
+            accuse,
+            ..Defence::default()
+        };
+        let mut sim = Sim::new(defended(d), 12);
+        sim.harmful.insert(11);
+        sim.run_until(GENESIS + 16 * PERIOD);
+        let honest: Vec<usize> = (0..11).collect();
+        assert_agree(&sim, &honest, 14);
+        let repeated: u64 = honest
+            .iter()
+            .map(|&i| sim.nodes[i].engine.metrics().repeated_checks)
+            .sum();
+        (last_included(&sim, &honest, 11), repeated)
+    };
+    let (without, r0) = run_with(false);
+    let (with, r1) = run_with(true);
+    assert_eq!(r0, 0);
+    assert!(r1 > 0, "nobody repeated a check");
+    let (w, wo) = (with.map_or(0, |s| s + 1), without.map_or(0, |s| s + 1));
+    eprintln!("harmful update last included: step {with:?} with accusations, {without:?} without");
+    assert!(
+        w < wo && w <= 3,
+        "harmful update included until step {with:?} with accusations, {without:?} without"
+    );
+}

@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p sim --example attacks -- [--scenario FILE] [--out DIR]
 //!  [--trainer synthetic|tiny] [--fractions 0.1,0.25,0.4] [--steps N] [--nodes N]
-//!  [--only alie,ipm] [--defences full|off|both] [--jobs N]`
+//!  [--only alie,ipm] [--defences full|off|both] [--jobs N] [--no-accuse]`
 //!
 //! The base scenario (default `sim/scenarios/attacks.toml`; with `--trainer tiny`,
 //! `sim/scenarios/attacks_tiny.toml`, whose optimizer suits the real model) gives nodes, links,
@@ -31,6 +31,8 @@ fn main() {
     let mut nodes: Option<usize> = None;
     // Runs in parallel (each is independent and seeded; the table is the same for any value).
     let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Every defence but accusations (how the tables before they existed were measured).
+    let mut no_accuse = false;
     let (mut defended, mut undefended_rows) = (true, true);
     while let Some(a) = args.next() {
         let mut val = || args.next().unwrap_or_else(|| panic!("{a} needs a value"));
@@ -54,6 +56,7 @@ fn main() {
             "--only" => only = val().split(',').map(String::from).collect(),
             "--nodes" => nodes = Some(val().parse().expect("a number")),
             "--jobs" => jobs = val().parse().expect("a number"),
+            "--no-accuse" => no_accuse = true,
             "--defences" => {
                 (defended, undefended_rows) = match val().as_str() {
                     "full" => (true, false),
@@ -78,6 +81,12 @@ fn main() {
     }
     if let Some(s) = steps {
         base.steps = s;
+    }
+    if no_accuse {
+        base.defence = sim::scenario::DefenceSpec::Fields(protocol::run::Defence {
+            accuse: false,
+            ..protocol::run::Defence::full()
+        });
     }
     if let Some(n) = nodes {
         base = base.with_nodes(n);
@@ -116,13 +125,15 @@ fn main() {
     .unwrap_or_else(|e| panic!("{e}"));
     let table = adversary::markdown(&rows, 2.0);
     let head = format!(
-        "Scenario `{}`: {} nodes, {} steps, seed {}, trainer {:?}, values {:?}. % worse = final loss vs the honest-only run with the same defences; ✗ = over the 2% target at 25% with defences on.\n\n",
+        "Scenario `{}`: {} nodes, {} steps, seed {}, trainer {:?}, values {:?}, k {}, accusations {}. % worse = final loss vs the honest-only run with the same defences; ✗ = over the 2% target at 25% with defences on.\n\n",
         base.name,
         base.nodes(),
         base.steps,
         base.seed,
         base.trainer.kind,
-        base.optim.values
+        base.optim.values,
+        base.optim.topk,
+        if no_accuse { "off" } else { "on" }
     );
     print!("{head}{table}");
     std::fs::create_dir_all(&out).unwrap();

@@ -822,7 +822,11 @@ pub fn variant(
         .map(|a| vec![Attacker::fraction(a, fraction)])
         .unwrap_or_default();
     if defended {
-        s.defence = crate::scenario::DefenceSpec::full();
+        // The base's own defences when it has any (e.g. full without accusations), else all.
+        let on = base.defence.resolve().is_ok_and(|d| !d.is_off());
+        if !on {
+            s.defence = crate::scenario::DefenceSpec::full();
+        }
         s.optim.combine = protocol::config::Combine::Share;
     } else {
         s.defence = crate::scenario::DefenceSpec::Preset("off".into());
