@@ -151,6 +151,8 @@ pub struct BootstrapArgs {
     /// Listen address, e.g. /ip4/0.0.0.0/tcp/4001 or /ip4/0.0.0.0/udp/4001/quic-v1.
     #[arg(long, num_args = 1.., required = true)]
     pub listen: Vec<Multiaddr>,
+    /// This peer's identity (see `swarm keygen`); its PeerId goes into the /p2p/ part of the
+    /// address trainers pass as --bootstrap.
     #[arg(long)]
     pub key: PathBuf,
     /// Write the full listen multiaddrs (with /p2p/ID), one a line, to this file once known.
@@ -161,9 +163,10 @@ pub struct BootstrapArgs {
     /// joiners, attest parameter digests. Without it the peer helps discovery only.
     #[arg(long)]
     pub run: Option<PathBuf>,
-    /// Be the run's first hop (needs --run): trainers that see a relay upload each update to
-    /// it once instead of gossiping it, and fetch the others' blobs from it first, so a node's
-    /// upload per step is about one update whatever the swarm's size. If the relay withholds
+    /// Be the run's first hop (needs --run): trainers that list this peer as --bootstrap upload
+    /// each update to it once instead of gossiping it, and fetch the others' blobs from it
+    /// first, so a trainer's upload per step is about one update whatever the swarm's size
+    /// (give them `--mesh 2` too). The relay uploads N·(N−1) updates per step. If it withholds
     /// an update, its sender's summary still lists it and peers fetch it from the sender.
     #[arg(long, requires = "run")]
     pub relay: bool,
