@@ -384,12 +384,16 @@ struct Node {
     /// A checkpoint request waiting out the back-off after a failed download.
     ckpt_pending: Option<(u64, u64, Vec<NodeId>)>,
     ckpt_retry_at: u64,
-    /// The tensors handed to the trainer: (version, digest, servers, the request's peers).
-    loading: Option<(u64, Digest, Vec<NodeId>, Vec<NodeId>, u64)>,
+    /// The checkpoint handed to the trainer to load.
+    loading: Option<Loading>,
     /// The last checkpoint request: its min version and the peers that attested it.
     ckpt_asked: (u64, Vec<NodeId>),
     /// Peers banned for serving provably bad checkpoints.
     banned: HashSet<PeerId>,
+    /// Peers never again asked for a checkpoint: they signed one the swarm does not attest.
+    /// Not cut off: their updates and summaries still count wherever the others count them
+    /// (bans are local; a node that alone dropped them would apply other sets than its peers).
+    ckpt_liars: HashSet<NodeId>,
     /// Per step: (own tokens, tokens of the applied set).
     tokens: BTreeMap<u64, (u64, u64)>,
     role: Role,
@@ -405,6 +409,19 @@ struct Node {
 /// Run peers from which on discovery slows down: twice gossipsub's `mesh_n_low`; gossip and
 /// the slower kademlia walks find the rest.
 const DISCOVER_ENOUGH_PEERS: usize = 4;
+
+/// A downloaded checkpoint the trainer is loading.
+struct Loading {
+    version: u64,
+    digest: Digest,
+    /// The agreeing servers it came from.
+    servers: Vec<NodeId>,
+    /// Servers that signed the same version with another digest.
+    dissenters: Vec<NodeId>,
+    /// The peers the request went to (they had attested `min_version`).
+    asked: Vec<NodeId>,
+    min_version: u64,
+}
 
 /// Steps of per-step bookkeeping kept (status lines are written a step behind at most).
 const KEEP_STEPS: usize = 64;
@@ -981,11 +998,17 @@ impl Node {
         }
         let peers: Vec<NodeId> = peers
             .into_iter()
-            .filter(|p| !self.banned.contains(&net::peer_id(p)))
+            .filter(|p| !self.banned.contains(&net::peer_id(p)) && !self.ckpt_liars.contains(p))
             .collect();
         let t = &self.engine.run().timing;
         let (manifest_ms, total_ms) = (t.period_ms.max(1000), 6 * t.period_ms.max(1000));
-        tracing::info!(min_version, peers = peers.len(), "requesting a checkpoint");
+        let names: Vec<String> = peers.iter().map(|p| p.peer_id_string()).collect();
+        tracing::info!(
+            min_version,
+            peers = peers.len(),
+            "requesting a checkpoint from {}",
+            names.join(" ")
+        );
         self.ckpt_asked = (min_version, peers.clone());
         let (d, acts) = CheckpointDownload::start(
             self.engine.run_id(),
@@ -1022,9 +1045,16 @@ impl Node {
                     digest,
                     tensors,
                     servers,
+                    dissenters,
                 } => {
-                    let asked = self.ckpt_asked.1.clone();
-                    self.loading = Some((version, digest, servers, asked, self.ckpt_asked.0));
+                    self.loading = Some(Loading {
+                        version,
+                        digest,
+                        servers,
+                        dissenters,
+                        asked: self.ckpt_asked.1.clone(),
+                        min_version: self.ckpt_asked.0,
+                    });
                     self.to_trainer(Cmd::Load { version, tensors });
                 }
                 DlAction::Failed { reason } => {
@@ -1056,7 +1086,15 @@ impl Node {
     }
 
     fn on_loaded(&mut self, version: u64, digest: Result<[u8; 32], String>) {
-        let Some((want_v, want_d, servers, asked, min_version)) = self.loading.take() else {
+        let Some(Loading {
+            version: want_v,
+            digest: want_d,
+            servers,
+            dissenters,
+            asked,
+            min_version,
+        }) = self.loading.take()
+        else {
             return;
         };
         match digest {
@@ -1078,6 +1116,17 @@ impl Node {
                     // then signed a manifest of min_version with another digest: banned.
                     for s in servers.iter().filter(|s| asked.contains(s)) {
                         self.ban(*s, "signed a manifest against its own attested digest");
+                    }
+                }
+                if synced {
+                    // What we loaded is what a quorum attests: a signed manifest of the same
+                    // version with another digest is a false checkpoint (SECURITY.md).
+                    for d in dissenters {
+                        tracing::warn!(
+                            peer = %d,
+                            "banned from serving checkpoints: signed a false checkpoint of the attested version"
+                        );
+                        self.ckpt_liars.insert(d);
                     }
                 }
                 self.to_trainer(Cmd::Snapshot);
@@ -1404,6 +1453,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             loading: None,
             ckpt_asked: (0, Vec::new()),
             banned: HashSet::new(),
+            ckpt_liars: HashSet::new(),
             tokens: BTreeMap::new(),
             role: a.role,
             addr_file: a.addr_file.clone(),

@@ -488,6 +488,9 @@ pub enum DlAction {
         digest: crypto::Digest,
         tensors: Vec<Vec<u8>>,
         servers: Vec<NodeId>,
+        /// Peers that signed a manifest of the same version with another digest: liars once
+        /// the loaded digest turns out to be the attested one (the shell bans them then).
+        dissenters: Vec<NodeId>,
     },
     Failed {
         reason: String,
@@ -799,12 +802,22 @@ impl CheckpointDownload {
                 }
                 tensors.push(b);
             }
+            let dissenters = self
+                .answers
+                .iter()
+                .filter_map(|(p, a)| {
+                    let m = a.as_ref()?.as_ref()?;
+                    (m.body.version == manifest.version && m.body.digest != manifest.digest)
+                        .then_some(*p)
+                })
+                .collect();
             self.phase = Phase::Finished;
             out.push(DlAction::Done {
                 version: manifest.version,
                 digest: manifest.digest,
                 tensors,
                 servers,
+                dissenters,
             });
             return;
         }
@@ -1105,6 +1118,7 @@ mod tests {
                 digest,
                 tensors,
                 servers,
+                ..
             } => Some((*version, *digest, tensors.clone(), servers.len())),
             _ => None,
         });
