@@ -839,12 +839,9 @@ impl Engine {
                 Self::verdict(tag, if ok { Verdict::Accept } else { Verdict::Reject }, out);
             }
             None => {
-                // Fetch from a first-hop relay if one is connected (it gossips only headers whose
-                // blob it holds), else from whoever relayed the header (it forwards only what it
-                // verified), then the sender.
-                let mut from_ = self.relays();
-                from_.extend([from, sender]);
-                let added = self.want(id, step, &from_, out);
+                // Whoever relayed the header forwards only what it verified: after a first-hop
+                // relay (see `sources`), ask it, then the sender.
+                let added = self.want(id, step, &self.sources(from, sender), out);
                 match (added, tag) {
                     (true, Some(t)) => self.wants.get_mut(&id).expect("just added").tags.push(t),
                     (false, _) => Self::verdict(tag, Verdict::Ignore, out),
@@ -1093,9 +1090,7 @@ impl Engine {
                 .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
                 .is_some_and(|e| e.blob.is_some() || e.invalid);
             if !held {
-                let mut from_ = self.relays();
-                from_.extend([sender, from]);
-                self.want(*id, step, &from_, out);
+                self.want(*id, step, &self.sources(sender, from), out);
             }
         }
         self.check_desync(out);
@@ -1386,23 +1381,27 @@ impl Engine {
         // the header and serve the blob (a slow uplink then carries each update once). Should
         // the relay withhold it, this node's own summary still lists the blob at the publish
         // deadline and peers fetch it from here: the update is late, never lost.
-        let relay = self.relays().first().copied();
-        let (frame, relay) = match relay {
-            Some(r) => (
-                Message::Update {
+        let send = match self.relays().first() {
+            Some(&peer) => {
+                self.metrics.uploads += 1;
+                let bytes = Message::Update {
                     header: signed.clone(),
                     blob: blob.clone(),
+                };
+                Action::Send {
+                    peer,
+                    bytes: bytes.encode(),
                 }
-                .encode(),
-                Some(r),
-            ),
+            }
             None => {
                 let inline = blob.len() <= self.run.limits.inline_blob_bytes as usize;
-                let f = Message::Announce {
+                let bytes = Message::Announce {
                     header: signed.clone(),
                     blob: inline.then(|| blob.clone()),
                 };
-                (f.encode(), None)
+                Action::Publish {
+                    bytes: bytes.encode(),
+                }
             }
         };
         self.by_blob.insert((signed.body.blob, step), self.me_id);
@@ -1416,13 +1415,15 @@ impl Engine {
                 copy: false,
             },
         );
-        match relay {
-            Some(peer) => {
-                self.metrics.uploads += 1;
-                out.push(Action::Send { peer, bytes: frame })
-            }
-            None => out.push(Action::Publish { bytes: frame }),
-        }
+        out.push(send);
+    }
+
+    /// Where to fetch a blob from, in order: the first-hop relays (they gossip only headers
+    /// whose blob they hold), then `first`, then `then`.
+    fn sources(&self, first: NodeId, then: NodeId) -> Vec<NodeId> {
+        let mut v = self.relays();
+        v.extend([first, then]);
+        v
     }
 
     /// Trusted peers that are connected and announced [`caps::RELAY`] (not banned, not this
