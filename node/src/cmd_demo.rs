@@ -161,12 +161,20 @@ struct Spread {
     updates: usize,
 }
 
-/// Publish-to-everyone times from the trainers' status lines (see `DemoReport::spread_ms`).
-fn spread(rows: &[Vec<Status>]) -> (Option<Spread>, usize) {
-    let by_step: Vec<BTreeMap<u64, &Status>> = rows
-        .iter()
-        .map(|r| r.iter().map(|s| (s.step, s)).collect())
-        .collect();
+/// The mean of `f` over `rows` (None for no rows).
+fn mean_of<'a>(
+    rows: impl IntoIterator<Item = &'a Status>,
+    f: impl Fn(&Status) -> u64,
+) -> Option<f64> {
+    let (sum, n) = rows
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), r| (s + f(r) as f64, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
+/// Publish-to-everyone times from the trainers' status lines, `rows` and the same by step
+/// (see `DemoReport::spread_ms`).
+fn spread(rows: &[Vec<Status>], by_step: &[BTreeMap<u64, &Status>]) -> (Option<Spread>, usize) {
     let mut times = Vec::new();
     let mut missing = 0;
     for (i, r) in rows.iter().enumerate() {
@@ -450,11 +458,6 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .filter(|s| s.step < a.steps)
         .collect();
     drop(boot);
-    let (spread_ms, updates_not_everywhere) = spread(&rows);
-    let relay_mean = |f: &dyn Fn(&Status) -> u64| {
-        (!relay_rows.is_empty())
-            .then(|| relay_rows.iter().map(|s| f(s) as f64).sum::<f64>() / relay_rows.len() as f64)
-    };
 
     // Digest agreement: every step that every trainer applied.
     let by_step: Vec<BTreeMap<u64, &Status>> = rows
@@ -476,13 +479,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let agree = first_disagreement.is_none() && common.len() as u64 >= a.steps;
 
     let all: Vec<&Status> = rows.iter().flatten().collect();
-    let n = all.len().max(1) as f64;
-    let mean = |f: &dyn Fn(&Status) -> u64| all.iter().map(|s| f(s) as f64).sum::<f64>() / n;
+    let mean = |f: fn(&Status) -> u64| mean_of(all.iter().copied(), f).unwrap_or(0.0);
     let update_bytes = all.iter().map(|s| s.update_bytes).max().unwrap_or(0);
-    let mean_out = mean(&|s| s.bytes_out);
-    let later: Vec<&&Status> = all.iter().filter(|s| s.step > 0).collect();
-    let mean_out_later =
-        later.iter().map(|s| s.bytes_out as f64).sum::<f64>() / later.len().max(1) as f64;
+    let mean_out = mean(|s| s.bytes_out);
+    let later = all.iter().copied().filter(|s| s.step > 0);
+    let mean_out_later = mean_of(later, |s| s.bytes_out).unwrap_or(0.0);
+    let (spread_ms, updates_not_everywhere) = spread(&rows, &by_step);
 
     // The final model, from one trainer's checkpoint, evaluated on held-out data.
     let spec = crate::trainer::data_spec(&run, None)?;
@@ -545,7 +547,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         digests_agree: agree,
         first_disagreement,
         mean_bytes_out_per_step: mean_out,
-        mean_bytes_in_per_step: mean(&|s| s.bytes_in),
+        mean_bytes_in_per_step: mean(|s| s.bytes_in),
         upload_amplification: if update_bytes > 0 {
             mean_out / update_bytes as f64
         } else {
@@ -556,11 +558,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
         } else {
             0.0
         },
-        mean_train_ms: mean(&|s| s.train_ms),
+        mean_train_ms: mean(|s| s.train_ms),
         spread_ms,
         updates_not_everywhere,
-        relay_bytes_out_per_step: relay_mean(&|s| s.bytes_out),
-        relay_bytes_in_per_step: relay_mean(&|s| s.bytes_in),
+        relay_bytes_out_per_step: mean_of(&relay_rows, |s| s.bytes_out),
+        relay_bytes_in_per_step: mean_of(&relay_rows, |s| s.bytes_in),
         final_eval_loss: final_eval,
         adamw_final_eval_loss: adamw.as_ref().map(|r| r.final_eval_loss),
         adamw_bytes_per_step: adamw

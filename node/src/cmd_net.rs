@@ -46,7 +46,7 @@ use protocol::wire::{caps, Message};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::hostile::{Adversary, Forge, Hostile, Move};
+use crate::hostile::{falsify, Adversary, Forge, Hostile, Move};
 use crate::trainer::{self, Cmd, Reply, Snapshot, Trainer};
 
 pub fn now_ms() -> u64 {
@@ -138,6 +138,18 @@ pub enum Role {
     /// A seed that is also a first hop (`--relay`): takes each trainer's update as a direct
     /// upload, verifies it, gossips the header and serves the blob.
     Relay,
+}
+
+impl Role {
+    /// What the node announces in its Hello.
+    fn capabilities(self) -> u64 {
+        let serve = caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS;
+        match self {
+            Role::Trainer => caps::TRAIN | serve,
+            Role::Seed => serve,
+            Role::Relay => serve | caps::RELAY,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -426,6 +438,13 @@ struct Loading {
 /// Steps of per-step bookkeeping kept (status lines are written a step behind at most).
 const KEEP_STEPS: usize = 64;
 
+/// Drop all but the newest [`KEEP_STEPS`] steps of a per-step map.
+fn keep_recent<V>(m: &mut BTreeMap<u64, V>) {
+    while m.len() > KEEP_STEPS {
+        m.pop_first();
+    }
+}
+
 impl Node {
     fn feed(&mut self, ev: Event) {
         let acts = self.engine.handle(ev, now_ms());
@@ -575,9 +594,7 @@ impl Node {
                     if a.len() < self.engine.run().limits.max_updates_per_step as usize {
                         a.entry(sender.peer_id_string()).or_insert_with(now_ms);
                     }
-                    while self.arrivals.len() > KEEP_STEPS {
-                        self.arrivals.pop_first();
-                    }
+                    keep_recent(&mut self.arrivals);
                 }
                 other => tracing::info!("{other:?}"),
             },
@@ -786,49 +803,16 @@ impl Node {
             } => {
                 self.update_bytes = blob.len() as u64;
                 self.losses.insert(step, (loss, ms));
-                while self.losses.len() > 64 {
-                    self.losses.pop_first();
-                }
+                keep_recent(&mut self.losses);
                 self.gauges.loss.set(loss);
                 self.tokens.entry(step).or_default().0 = tokens;
-                while self.tokens.len() > 64 {
-                    self.tokens.pop_first();
-                }
+                keep_recent(&mut self.tokens);
                 self.published.insert(step, now_ms());
-                while self.published.len() > KEEP_STEPS {
-                    self.published.pop_first();
-                }
-                match self.hostile.as_mut() {
-                    None => self.feed(Event::LocalUpdate { step, blob, tokens }),
-                    Some(h) => {
-                        let st = self.engine.status();
-                        let forge = Forge {
-                            run_id: self.engine.run_id(),
-                            me: &self.id,
-                            pow: self.engine.pow(),
-                            base: (st.version, st.digest),
-                        };
-                        match h.act(self.engine.run(), forge, step, blob, tokens) {
-                            Move::Update { blob, tokens } => {
-                                self.feed(Event::LocalUpdate { step, blob, tokens })
-                            }
-                            Move::Nothing => {}
-                            Move::Raw { gossip, serve } => {
-                                for f in gossip {
-                                    let t = self.topic.clone();
-                                    if let Err(e) =
-                                        self.swarm.behaviour_mut().gossipsub.publish(t, f)
-                                    {
-                                        tracing::debug!("hostile publish: {e}");
-                                    }
-                                }
-                                self.forged.extend(serve);
-                                while self.forged.len() > 16 {
-                                    self.forged.pop_front();
-                                }
-                            }
-                        }
-                    }
+                keep_recent(&mut self.published);
+                if self.hostile.is_some() {
+                    self.act_hostile(step, blob, tokens);
+                } else {
+                    self.feed(Event::LocalUpdate { step, blob, tokens });
                 }
             }
             Reply::Applied {
@@ -867,6 +851,36 @@ impl Node {
         Ok(())
     }
 
+    /// `--adversary`: what the hostile node does with its honest update (see `hostile`).
+    fn act_hostile(&mut self, step: u64, blob: Vec<u8>, tokens: u64) {
+        let Some(h) = self.hostile.as_mut() else {
+            return;
+        };
+        let st = self.engine.status();
+        let forge = Forge {
+            run_id: self.engine.run_id(),
+            me: &self.id,
+            pow: self.engine.pow(),
+            base: (st.version, st.digest),
+        };
+        match h.act(self.engine.run(), forge, step, blob, tokens) {
+            Move::Update { blob, tokens } => self.feed(Event::LocalUpdate { step, blob, tokens }),
+            Move::Nothing => {}
+            Move::Raw { gossip, serve } => {
+                for f in gossip {
+                    let t = self.topic.clone();
+                    if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(t, f) {
+                        tracing::debug!("hostile publish: {e}");
+                    }
+                }
+                self.forged.extend(serve);
+                while self.forged.len() > 16 {
+                    self.forged.pop_front();
+                }
+            }
+        }
+    }
+
     // ---------------------------------------------------------------------------------------
     // checkpoints (see the module docs)
 
@@ -896,22 +910,7 @@ impl Node {
         }
         let chunk = CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32);
         let snap = match &self.hostile {
-            Some(h) if h.kind == Adversary::FalseCheckpoint => {
-                let mut tensors = snap.tensors.clone();
-                crate::hostile::falsify(&mut tensors);
-                let m = net::build_manifest(
-                    &self.id,
-                    self.engine.run_id(),
-                    snap.version,
-                    chunk,
-                    &tensors,
-                );
-                Arc::new(Snapshot {
-                    version: snap.version,
-                    digest: m.body.digest.0,
-                    tensors,
-                })
-            }
+            Some(h) if h.kind == Adversary::FalseCheckpoint => Arc::new(falsify(&snap)),
             _ => snap,
         };
         let m = net::build_manifest(
@@ -1461,17 +1460,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             published: BTreeMap::new(),
             arrivals: BTreeMap::new(),
         };
-        match a.role {
-            Role::Trainer => {}
-            Role::Seed => node
-                .engine
-                .set_listen(Vec::new(), caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS),
-            Role::Relay => node.engine.set_listen(
-                Vec::new(),
-                caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS | caps::RELAY,
-            ),
-        }
         if a.role != Role::Trainer {
+            node.engine.set_listen(Vec::new(), a.role.capabilities());
             tracing::info!(role = ?a.role, "following the run without training");
         }
         node.add_snapshot(first);

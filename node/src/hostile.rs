@@ -18,6 +18,8 @@ use protocol::run::{RunConfig, RunId};
 use protocol::sparse::SparseUpdate;
 use sim::adversary as adv;
 
+use crate::trainer::Snapshot;
+
 /// The behaviours of `--adversary`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Adversary {
@@ -206,8 +208,10 @@ impl Hostile {
 
 /// `false-checkpoint`: the served copy of the parameters with one value changed (the first
 /// parameter's low byte), so its digest is one no honest peer attests.
-pub fn falsify(tensors: &mut [(String, Vec<u32>, Vec<u8>)]) {
+pub fn falsify(snap: &Snapshot) -> Snapshot {
+    let mut tensors = snap.tensors.clone();
     if let Some(b) = tensors.first_mut().and_then(|t| t.2.first_mut()) {
         *b ^= 1;
     }
+    Snapshot::new(snap.version, tensors)
 }

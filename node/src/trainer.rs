@@ -68,6 +68,24 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// The snapshot of `tensors` as version `version`, with the protocol's parameter digest.
+    pub fn new(version: u64, tensors: Vec<(String, Vec<u32>, Vec<u8>)>) -> Snapshot {
+        let entries: Vec<TensorEntry> = tensors
+            .iter()
+            .map(|(n, s, b)| TensorEntry {
+                name: n.clone(),
+                shape: s.clone(),
+                dtype: Dtype::F32,
+                hash: crypto::Digest::of(b),
+            })
+            .collect();
+        Snapshot {
+            version,
+            digest: params_digest(&entries).0,
+            tensors,
+        }
+    }
+
     /// The byte range `[start, start + len)` of the concatenated tensor stream.
     pub fn stream_range(&self, start: u64, len: u64) -> Vec<u8> {
         let mut out = Vec::with_capacity(len as usize);
@@ -264,20 +282,7 @@ impl Trainer {
                 )
             })
             .collect();
-        let entries: Vec<TensorEntry> = tensors
-            .iter()
-            .map(|(n, s, b)| TensorEntry {
-                name: n.clone(),
-                shape: s.clone(),
-                dtype: Dtype::F32,
-                hash: crypto::Digest::of(b),
-            })
-            .collect();
-        let snap = Arc::new(Snapshot {
-            version: self.version,
-            digest: params_digest(&entries).0,
-            tensors,
-        });
+        let snap = Arc::new(Snapshot::new(self.version, tensors));
         self.snapshot = Some(snap.clone());
         snap
     }
