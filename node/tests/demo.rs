@@ -1,34 +1,40 @@
 //! `swarm demo` end to end with real processes: a bootstrap peer and two trainers on loopback
 //! train a few steps over libp2p, and every trainer's parameter digest agrees after every step.
 
+use std::path::PathBuf;
 use std::process::Command;
 
-#[test]
-fn short_demo_trains_and_digests_agree() {
-    let out = std::env::temp_dir().join(format!("swarm-demo-test-{}", std::process::id()));
+/// Runs `swarm demo` with `args` (besides the short defaults below) into a fresh directory
+/// named after `name`; asserts it exited 0 and returns the directory and its report.
+fn demo(name: &str, args: &[&str]) -> (PathBuf, serde_json::Value) {
+    let out = std::env::temp_dir().join(format!("swarm-demo-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let res = Command::new(env!("CARGO_BIN_EXE_swarm"))
         .args([
             "demo",
-            "--trainers",
-            "2",
             "--steps",
             "6",
             "--period-ms",
             "1500",
             "--start-in",
             "6",
-            "--no-baseline",
-            "--out",
         ])
+        .args(["--no-baseline"])
+        .args(args)
+        .arg("--out")
         .arg(&out)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&res.stdout);
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "demo failed:\n{stdout}\n{stderr}");
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let r = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    (out, r)
+}
+
+#[test]
+fn short_demo_trains_and_digests_agree() {
+    let (out, r) = demo("test", &["--trainers", "2"]);
     assert_eq!(r["digests_agree"], true, "{r}");
     assert!(r["common_steps"].as_u64().unwrap() >= 6, "{r}");
     // Both trainers' updates made it into the steps after the first (each saw the other).
@@ -96,31 +102,7 @@ fn kill_9_one_trainer_and_the_rest_go_on_agreeing() {
 /// relay, not the trainers, pays the fan-out.
 #[test]
 fn with_a_relay_the_relay_carries_the_fan_out_and_digests_agree() {
-    let out = std::env::temp_dir().join(format!("swarm-demo-relay-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let res = Command::new(env!("CARGO_BIN_EXE_swarm"))
-        .args([
-            "demo",
-            "--trainers",
-            "3",
-            "--steps",
-            "6",
-            "--period-ms",
-            "1500",
-            "--start-in",
-            "6",
-            "--no-baseline",
-            "--relay",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&res.stdout);
-    let stderr = String::from_utf8_lossy(&res.stderr);
-    assert!(res.status.success(), "demo failed:\n{stdout}\n{stderr}");
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let (out, r) = demo("relay", &["--trainers", "3", "--relay"]);
     assert_eq!(r["digests_agree"], true, "{r}");
     for n in r["nodes"].as_array().unwrap() {
         let steps = n["steps"].as_array().unwrap();

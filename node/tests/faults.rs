@@ -131,6 +131,16 @@ impl Local {
         self.dir.join(format!("{name}.jsonl"))
     }
 
+    /// Node `name`'s PeerId (`swarm id` of its key), as its peers' logs name it.
+    fn peer_id(&self, name: &str) -> String {
+        let out = swarm()
+            .arg("id")
+            .arg(self.dir.join(format!("{name}.key")))
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
     }
@@ -429,17 +439,7 @@ fn a_hostile_process_is_spot_checked_excluded_and_penalized() {
         assert_eq!(agree(&n[0], &n[i], &format!("n0 vs n{i}")), n[0].len());
     }
     // Penalized by the honest nodes: each logs the blame on the hostile peer's id.
-    let bad_id = String::from_utf8(
-        swarm()
-            .arg("id")
-            .arg(l.dir.join("bad.key"))
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap()
-    .trim()
-    .to_string();
+    let bad_id = l.peer_id("bad");
     let blamed = (0..4)
         .filter(|i| {
             l.log(&format!("n{i}"))
@@ -496,15 +496,7 @@ fn equivocating_malformed_and_withholding_processes_change_nothing() {
         // The honest updates do get in once everyone is connected.
         assert!(x.values().skip(2).all(|l| l.included == 4), "n{i}: {x:?}");
     }
-    let id = |name: &str| {
-        let out = swarm()
-            .arg("id")
-            .arg(l.dir.join(format!("{name}.key")))
-            .output()
-            .unwrap();
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    };
-    let (eq, mal) = (id("equivocate"), id("malformed"));
+    let (eq, mal) = (l.peer_id("equivocate"), l.peer_id("malformed"));
     for i in 0..4 {
         let log = l.log(&format!("n{i}"));
         assert!(
@@ -552,17 +544,7 @@ fn a_joiner_loads_only_the_attested_checkpoint_and_stops_asking_a_liar() {
         let n = lines(&l.status(&format!("n{i}")));
         assert_eq!(agree(&j, &n, &format!("joiner vs n{i}")), j.len());
     }
-    let liar = String::from_utf8(
-        swarm()
-            .arg("id")
-            .arg(l.dir.join("liar.key"))
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap()
-    .trim()
-    .to_string();
+    let liar = l.peer_id("liar");
     // Whether the liar was asked depends on which two peers attested first; once asked, its
     // manifest disagrees with the honest ones and it is never asked again.
     let asked = log
