@@ -86,8 +86,8 @@ fn train_writes_report_and_plot() {
 fn codec_encode_decode_and_size() {
     let d = tmp("codec");
     // Two tensors to compress, written as safetensors through tch.
-    let a = tch::Tensor::randn([128, 64], (tch::Kind::Float, tch::Device::Cpu));
-    let b = tch::Tensor::randn([100], (tch::Kind::Float, tch::Device::Cpu));
+    let a = train::rng::randn(&[128, 64], 1);
+    let b = train::rng::randn(&[100], 2);
     let input = d.join("m.safetensors");
     tch::Tensor::write_safetensors(&[("a", a), ("b", b)], &input).unwrap();
     for (name, values) in [("u1.bin", "sign"), ("u2.bin", "sign")] {

@@ -54,3 +54,23 @@ impl Rng {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
 }
+
+/// A standard-normal tensor of `shape` drawn from [`Rng`] seeded by `seed` (Box–Muller), on
+/// the CPU. Tests and tools use it instead of `Tensor::randn`: libtorch's generator is
+/// process-global, so tests running in parallel would interleave their draws with each other
+/// and with `Llama::new`, and get different values from run to run.
+pub fn randn(shape: &[i64], seed: u64) -> tch::Tensor {
+    let n: i64 = shape.iter().product();
+    let mut rng = Rng::new(seed);
+    let mut v = Vec::with_capacity(n as usize);
+    while (v.len() as i64) < n {
+        // 1 − u keeps the logarithm finite.
+        let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = 2.0 * std::f64::consts::PI * u2;
+        v.push((r * a.cos()) as f32);
+        v.push((r * a.sin()) as f32);
+    }
+    v.truncate(n as usize);
+    tch::Tensor::from_slice(&v).view(shape)
+}

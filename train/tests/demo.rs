@@ -5,6 +5,7 @@ use protocol::sparse::{self, Layout, SparseUpdate};
 use tch::{Device, Kind, Tensor};
 use train::demo::{apply_sign_step, DctCodec};
 use train::model::{param_digest, Llama};
+use train::rng::randn;
 
 fn layout() -> Layout {
     // A 2-D matrix of 64×64 blocks, an awkward one (29-row blocks), a 1-D vector, a 3-D tensor.
@@ -19,15 +20,15 @@ fn layout() -> Layout {
     )
 }
 
-fn random(l: &Layout, seed: i64) -> Vec<Tensor> {
-    tch::manual_seed(seed);
+/// Random tensors from the project's own seeded generator (not libtorch's global one, which
+/// tests running in parallel would share).
+fn random(l: &Layout, seed: u64) -> Vec<Tensor> {
     l.tensors
         .iter()
-        .map(|t| {
-            Tensor::randn(
-                t.shape.iter().map(|&x| x as i64).collect::<Vec<_>>(),
-                (Kind::Float, Device::Cpu),
-            )
+        .enumerate()
+        .map(|(i, t)| {
+            let shape: Vec<i64> = t.shape.iter().map(|&x| x as i64).collect();
+            randn(&shape, seed * 1000 + i as u64)
         })
         .collect()
 }
@@ -116,7 +117,7 @@ fn updates(l: &Layout, n: usize, codec_kind: ValueCodec) -> Vec<SparseUpdate> {
     let codec = DctCodec::new(l.clone(), Device::Cpu);
     (0..n)
         .map(|i| {
-            let mut d = random(l, 100 + i as i64);
+            let mut d = random(l, 100 + i as u64);
             codec.encode(&mut d, 4, codec_kind)
         })
         .collect()
@@ -174,8 +175,12 @@ fn aggregation_is_bit_identical_across_orders_and_threads() {
         let codec = DctCodec::new(l.clone(), Device::Cpu);
         let ups: Vec<SparseUpdate> = (0..6)
             .map(|i| {
-                tch::manual_seed(1000 + i);
-                let mut d: Vec<Tensor> = model.params.iter().map(|p| p.randn_like()).collect();
+                let mut d: Vec<Tensor> = model
+                    .params
+                    .iter()
+                    .enumerate()
+                    .map(|(j, p)| randn(&p.size(), 1000 * (i + 1) + j as u64))
+                    .collect();
                 codec.encode(&mut d, 4, kind)
             })
             .collect();
