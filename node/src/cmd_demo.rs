@@ -526,6 +526,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         adamw_wd: 0.1,
         eval_every: 0,
         eval_batches: 4,
+        schedule: Default::default(),
     };
     let adamw = if a.no_baseline {
         None

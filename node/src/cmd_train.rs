@@ -3,11 +3,11 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
+use protocol::config::{Lookahead, ModelConfig, OptimConfig, ValueCodec};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use train::data::{Corpus, DataSpec};
-use train::run::{Optimizer, TrainOptions};
+use train::run::{Optimizer, Schedule, TrainOptions};
 
 #[derive(Args, Debug)]
 #[command(
@@ -75,6 +75,16 @@ pub struct TrainArgs {
     /// mean over those who kept it) or share (bounded influence: weighted by tokens over all).
     #[arg(long, value_enum, default_value = "mean")]
     combine: CombineArg,
+    /// sync: step t trains on parameters holding every earlier step (one process, no
+    /// network). overlap: the swarm's schedule, where step t trains on parameters that still
+    /// lack step t−1 (its updates are in flight), so staleness is measured without a network.
+    #[arg(long, default_value = "sync")]
+    schedule: Schedule,
+    /// DeMo under `--schedule overlap`: delay compensation at zero bytes. off; momentum (train
+    /// at w − lr·sign(own momentum), Psyche's); update (train at w − the exact step of the
+    /// node's own last update).
+    #[arg(long, default_value = "off")]
+    lookahead: Lookahead,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// auto (CUDA when present), cpu, cuda or cuda:N.
@@ -179,19 +189,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 CombineArg::Mean => protocol::config::Combine::Mean,
                 CombineArg::Share => protocol::config::Combine::Share,
             },
+            lookahead: a.lookahead,
         },
         adamw_lr: a.adamw_lr,
         adamw_wd: a.adamw_wd,
         eval_every: a.eval_every,
         eval_batches: a.eval_batches,
+        schedule: a.schedule,
     };
     eprintln!("data: {}", corpus.describe());
     eprintln!(
-        "model: {} ({} params, vocab {}), optimizer {:?}, {} replicas × {} seqs × {} tokens, device {:?}",
+        "model: {} ({} params, vocab {}), optimizer {:?}, schedule {:?}, {} replicas × {} seqs × {} tokens, device {:?}",
         model.name,
         model.param_count(),
         model.vocab,
         a.optimizer,
+        a.schedule,
         a.replicas,
         a.batch,
         model.seq_len,

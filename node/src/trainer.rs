@@ -20,14 +20,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
+use protocol::checkpoint::f32_params_digest;
 use protocol::engine::Included;
-use protocol::run::{DataSpec as RunData, RunConfig};
+use protocol::run::RunConfig;
 use protocol::sparse::SparseUpdate;
 use tch::{Device, Kind, Tensor};
 use train::data::{Corpus, DataSpec};
-use train::demo::{apply_round, DctCodec, DemoState};
-use train::model::Llama;
+use train::node::NodeTrainer;
 
 pub enum Cmd {
     /// Train step `step` on the current parameters and answer `Trained`.
@@ -70,18 +69,14 @@ pub struct Snapshot {
 impl Snapshot {
     /// The snapshot of `tensors` as version `version`, with the protocol's parameter digest.
     pub fn new(version: u64, tensors: Vec<(String, Vec<u32>, Vec<u8>)>) -> Snapshot {
-        let entries: Vec<TensorEntry> = tensors
-            .iter()
-            .map(|(n, s, b)| TensorEntry {
-                name: n.clone(),
-                shape: s.clone(),
-                dtype: Dtype::F32,
-                hash: crypto::Digest::of(b),
-            })
-            .collect();
+        let digest = f32_params_digest(
+            tensors
+                .iter()
+                .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
+        );
         Snapshot {
             version,
-            digest: params_digest(&entries).0,
+            digest: digest.0,
             tensors,
         }
     }
@@ -151,44 +146,14 @@ pub enum Reply {
 
 /// The trainer's view of the run's data: protocol data specs map onto the trainer's corpora.
 pub fn data_spec(run: &RunConfig, local: Option<&str>) -> Result<DataSpec> {
-    match (&run.data, local) {
-        // Branch 4: the chain of `swarm train`'s default synthetic corpus.
-        (RunData::Synthetic { seed, vocab }, _) => Ok(DataSpec::Synthetic {
-            seed: *seed,
-            vocab: *vocab as usize,
-            branch: 4,
-        }),
-        (RunData::Text { tokenizer, .. }, Some(path)) => Ok(DataSpec::Text {
-            path: path.to_string(),
-            tokenizer: (!tokenizer.is_empty() && tokenizer != "bytes").then(|| tokenizer.clone()),
-        }),
-        (
-            RunData::Tokens {
-                vocab,
-                bytes_per_token,
-                ..
-            },
-            Some(path),
-        ) => Ok(DataSpec::Shard {
-            path: path.to_string(),
-            width: *bytes_per_token as u32 * 8,
-            vocab: *vocab as usize,
-        }),
-        _ => anyhow::bail!("this run trains on a file: pass it with --data PATH"),
-    }
+    Ok(DataSpec::for_run(run, local)?)
 }
 
 pub struct Trainer {
     run: RunConfig,
-    model: Llama,
-    state: DemoState,
-    codec: DctCodec,
+    /// The node's model, optimizer state and step: what every node computes (`train::node`).
+    node: NodeTrainer,
     corpus: Corpus,
-    node: Vec<u8>,
-    batch: usize,
-    device: Device,
-    /// Steps applied to the parameters held (see the module docs).
-    version: u64,
     snapshot: Option<Arc<Snapshot>>,
 }
 
@@ -223,19 +188,10 @@ impl Trainer {
         batch: usize,
         device: Device,
     ) -> Result<Trainer> {
-        let model = Llama::new(&run.model, device, run.seed);
-        let state = DemoState::new(&model.params);
-        let codec = DctCodec::new(run.layout(), device);
         Ok(Trainer {
             run: run.clone(),
-            model,
-            state,
-            codec,
+            node: NodeTrainer::new(run, node, batch, device),
             corpus,
-            node,
-            batch,
-            device,
-            version: 0,
             snapshot: None,
         })
     }
@@ -247,7 +203,8 @@ impl Trainer {
             .with_context(|| format!("reading {}", path.display()))?
             .into_iter()
             .collect();
-        for (n, p) in self.model.names.iter().zip(&self.model.params) {
+        let model = &self.node.model;
+        for (n, p) in model.names.iter().zip(&model.params) {
             let t = map
                 .get(n)
                 .with_context(|| format!("{}: no tensor {n}", path.display()))?;
@@ -255,25 +212,29 @@ impl Trainer {
                 anyhow::bail!("{}: {n} is {:?} {:?}", path.display(), t.kind(), t.size());
             }
         }
-        self.model
+        self.node
+            .model
             .load(path)
             .with_context(|| format!("loading {}", path.display()))?;
-        self.state = DemoState::new(&self.model.params);
-        self.version = version;
+        self.node.reset_state(version);
         self.snapshot = None;
         Ok(())
     }
 
     /// The parameters as bytes; cached per version (the parameters change only with it).
     fn snapshot(&mut self) -> Arc<Snapshot> {
-        if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == self.version) {
+        if let Some(s) = self
+            .snapshot
+            .as_ref()
+            .filter(|s| s.version == self.node.version)
+        {
             return s.clone();
         }
-        let tensors: Vec<(String, Vec<u32>, Vec<u8>)> = self
-            .model
+        let model = &self.node.model;
+        let tensors: Vec<(String, Vec<u32>, Vec<u8>)> = model
             .names
             .iter()
-            .zip(&self.model.params)
+            .zip(&model.params)
             .map(|(n, p)| {
                 (
                     n.clone(),
@@ -282,27 +243,28 @@ impl Trainer {
                 )
             })
             .collect();
-        let snap = Arc::new(Snapshot::new(self.version, tensors));
+        let snap = Arc::new(Snapshot::new(self.node.version, tensors));
         self.snapshot = Some(snap.clone());
         snap
     }
 
     fn load(&mut self, version: u64, tensors: &[Vec<u8>]) -> Result<[u8; 32]> {
-        if tensors.len() != self.model.params.len() {
+        let model = &mut self.node.model;
+        if tensors.len() != model.params.len() {
             anyhow::bail!(
                 "checkpoint has {} tensors, the model {}",
                 tensors.len(),
-                self.model.params.len()
+                model.params.len()
             );
         }
         // Check every size before touching anything: a refused load leaves the model as it was.
-        for ((p, b), n) in self.model.params.iter().zip(tensors).zip(&self.model.names) {
+        for ((p, b), n) in model.params.iter().zip(tensors).zip(&model.names) {
             if b.len() as i64 != p.numel() as i64 * 4 {
                 anyhow::bail!("{n}: {} bytes for {} values", b.len(), p.numel());
             }
         }
         tch::no_grad(|| {
-            for (p, b) in self.model.params.iter_mut().zip(tensors) {
+            for (p, b) in model.params.iter_mut().zip(tensors) {
                 let vals: Vec<f32> = b
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -312,18 +274,17 @@ impl Trainer {
             }
         });
         // Momentum belongs to the parameters it was accumulated on: start afresh.
-        self.state = DemoState::new(&self.model.params);
-        self.version = version;
+        self.node.reset_state(version);
         self.snapshot = None;
-        Ok(self.model.digest())
+        Ok(self.node.digest())
     }
 
     /// Write `v{version}.safetensors` into `dir` (see the module docs) and prune old ones.
     fn save(&self, dir: &Path) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
-        let path = dir.join(format!("v{}.safetensors", self.version));
+        let path = dir.join(format!("v{}.safetensors", self.node.version));
         // `Llama::save` writes a temp file beside `path`, fsyncs it and renames it into place.
-        self.model.save(&path)?;
+        self.node.model.save(&path)?;
         // The rename is durable only once the directory entry is.
         std::fs::File::open(dir)
             .and_then(|d| d.sync_all())
@@ -334,39 +295,14 @@ impl Trainer {
         Ok(path)
     }
 
-    fn lr(&self, step: u64) -> f64 {
-        train::demo::run_lr(&self.run, step)
-    }
-
     fn train(&mut self, step: u64) -> (Vec<u8>, u64, f64) {
-        let seq = self.run.model.seq_len as usize;
-        let (x, y) = self.corpus.batch(
-            "train",
-            self.run.seed,
-            &self.node,
-            step,
-            self.batch,
-            seq,
-            self.device,
-        );
-        self.model.zero_grad();
-        let loss = self.model.loss(&x, &y);
-        loss.backward();
-        let l = loss.double_value(&[]);
-        let grads = self.model.grads();
-        let lr = self.lr(step);
-        let o = &self.run.optim;
-        self.state.accumulate(&grads, lr, o);
-        let u = self.codec.encode(&mut self.state.delta, o.topk, o.values);
-        (u.encode(), (self.batch * seq) as u64, l)
+        let t = self.node.train(&self.corpus, step);
+        (t.update.encode(), t.tokens, t.loss)
     }
 
+    /// Apply round `step` (an empty set leaves the parameters alone, as on every honest node
+    /// that saw it); the parameters then hold version `step + 1`.
     fn apply(&mut self, step: u64, updates: &[Included]) -> Result<()> {
-        // Nothing to apply: every honest node sees the same empty set and leaves the
-        // parameters alone, so digests still agree.
-        if updates.is_empty() {
-            return Ok(());
-        }
         let max = self.run.limits.max_blob_bytes as usize;
         let decoded: Vec<SparseUpdate> = updates
             .iter()
@@ -379,7 +315,7 @@ impl Trainer {
             .zip(updates)
             .map(|(d, u)| (d, u.tokens))
             .collect();
-        apply_round(&self.codec, &self.run, step, &self.model.params, &set);
+        self.node.apply(step, &set);
         Ok(())
     }
 
@@ -389,33 +325,8 @@ impl Trainer {
         let Ok(u) = SparseUpdate::decode(bytes, self.run.limits.max_blob_bytes as usize) else {
             return f64::NAN;
         };
-        let seq = self.run.model.seq_len as usize;
-        let seqs = ((tokens as usize) / seq.max(1)).clamp(1, self.run.batch_seqs.max(1) as usize);
-        let (x, y) = self.corpus.batch(
-            "train",
-            self.run.seed,
-            &sender.0,
-            step,
-            seqs,
-            seq,
-            self.device,
-        );
-        let _guard = tch::no_grad_guard();
-        let before = self.model.loss(&x, &y).double_value(&[]);
-        let saved: Vec<Tensor> = self.model.params.iter().map(|p| p.copy()).collect();
-        apply_round(
-            &self.codec,
-            &self.run,
-            step,
-            &self.model.params,
-            &[(&u, tokens)],
-        );
-        let after = self.model.loss(&x, &y).double_value(&[]);
-        for (p, s) in self.model.params.iter().zip(&saved) {
-            let mut p = p.shallow_clone();
-            p.copy_(s);
-        }
-        before - after
+        self.node
+            .spot_check(&self.corpus, &sender.0, step, &u, tokens)
     }
 
     /// Serve commands until the loop hangs up.
@@ -425,9 +336,9 @@ impl Trainer {
         replies: tokio::sync::mpsc::Sender<Reply>,
     ) {
         let _ = replies.blocking_send(Reply::Ready {
-            digest: self.model.digest(),
-            params: self.model.numel(),
-            version: self.version,
+            digest: self.node.digest(),
+            params: self.node.model.numel(),
+            version: self.node.version,
         });
         while let Some(c) = cmds.blocking_recv() {
             let t0 = Instant::now();
@@ -443,19 +354,16 @@ impl Trainer {
                     }
                 }
                 Cmd::Apply { step, updates } => match self.apply(step, &updates) {
-                    Ok(()) => {
-                        self.version = step + 1;
-                        Reply::Applied {
-                            step,
-                            digest: self.model.digest(),
-                            ms: t0.elapsed().as_millis() as u64,
-                            included: updates.len(),
-                        }
-                    }
+                    Ok(()) => Reply::Applied {
+                        step,
+                        digest: self.node.digest(),
+                        ms: t0.elapsed().as_millis() as u64,
+                        included: updates.len(),
+                    },
                     Err(e) => Reply::Failed(e.to_string()),
                 },
                 Cmd::Save { dir } => Reply::Saved {
-                    version: self.version,
+                    version: self.node.version,
                     path: self
                         .save(&dir)
                         .map_err(|e| format!("saving into {}: {e:#}", dir.display())),

@@ -70,6 +70,23 @@ pub fn params_digest(tensors: &[TensorEntry]) -> Digest {
     Digest(*h.finalize().as_bytes())
 }
 
+/// [`params_digest`] of f32 tensors given as (name, shape, raw little-endian bytes): the one
+/// way the trainer, the node's served snapshots and the simulator name their parameters.
+pub fn f32_params_digest<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u32], &'a [u8])>,
+) -> Digest {
+    let entries: Vec<TensorEntry> = tensors
+        .into_iter()
+        .map(|(name, shape, bytes)| TensorEntry {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype: Dtype::F32,
+            hash: Digest::of(bytes),
+        })
+        .collect();
+    params_digest(&entries)
+}
+
 /// Signed by the node serving the checkpoint: a bad checkpoint is then provably its fault.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointManifest {

@@ -154,6 +154,46 @@ impl Combine {
     }
 }
 
+/// Delay compensation for the swarm's overlapped schedule, where a node trains step t on
+/// parameters that still lack step t−1 (its updates are in flight). Before forward and
+/// backward the node moves its weights to where the pending step will probably land,
+/// `p − lr(t−1)·ŝ`, and puts them back bit for bit afterwards. It is local: nothing sent or
+/// applied changes, so digests agree whatever each node chooses; the run config names it so
+/// that every node of a run trains alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Lookahead {
+    /// Train on the stale parameters as they are.
+    #[default]
+    Off,
+    /// ŝ = sign of the node's full momentum before its last encode (Psyche's "error
+    /// correction").
+    Momentum,
+    /// ŝ = the exact sign step of the node's own last update alone: the step the swarm takes
+    /// if the others agree with it.
+    Update,
+}
+
+impl Lookahead {
+    pub fn is_off(&self) -> bool {
+        *self == Lookahead::Off
+    }
+}
+
+impl std::str::FromStr for Lookahead {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(Lookahead::Off),
+            "momentum" => Ok(Lookahead::Momentum),
+            "update" => Ok(Lookahead::Update),
+            other => Err(format!(
+                "unknown lookahead {other:?} (expected off, momentum or update)"
+            )),
+        }
+    }
+}
+
 /// DeMo hyperparameters (defaults as in the reference code, k as in Psyche).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimConfig {
@@ -177,6 +217,10 @@ pub struct OptimConfig {
     /// How updates are combined (absent = `mean`, so older run configs keep their run id).
     #[serde(default, skip_serializing_if = "Combine::is_mean")]
     pub combine: Combine,
+    /// Delay compensation while a step is in flight (absent = `off`, so older run configs
+    /// keep their run id).
+    #[serde(default, skip_serializing_if = "Lookahead::is_off")]
+    pub lookahead: Lookahead,
 }
 
 impl Default for OptimConfig {
@@ -193,6 +237,7 @@ impl Default for OptimConfig {
             min_lr_ratio: 0.1,
             grad_clip: 1.0,
             combine: Combine::Mean,
+            lookahead: Lookahead::Off,
         }
     }
 }

@@ -107,6 +107,9 @@ pub struct Optim {
     pub grad_clip: f64,
     /// Decoupled weight decay of the sign step.
     pub weight_decay: f64,
+    /// Delay compensation while a step is in flight (`off`, `momentum`, `update`; the `tiny`
+    /// trainer).
+    pub lookahead: protocol::config::Lookahead,
 }
 
 impl Default for Optim {
@@ -124,6 +127,7 @@ impl Default for Optim {
             values: ValueCodec::Sign,
             grad_clip: 0.0,
             weight_decay: 0.0,
+            lookahead: protocol::config::Lookahead::Off,
         }
     }
 }
@@ -146,6 +150,7 @@ impl Optim {
             min_lr_ratio: 0.1,
             grad_clip: self.grad_clip,
             combine: self.combine,
+            lookahead: self.lookahead,
         }
     }
 }

@@ -36,8 +36,10 @@ pub trait Trainer {
     /// Initial parameters (version 0).
     fn init(&mut self) -> Vec<f32>;
     /// Node `node` (identity `id`: real batches are a function of it) trains `step` on
-    /// `params`, keeping its own momentum.
-    fn train(&mut self, node: usize, id: &NodeId, step: u64, params: &[f32]) -> Local;
+    /// `params`, which hold `version` applied steps (the engine's `StartStep::base_version`:
+    /// `step − 1` in the swarm's overlapped schedule), keeping its own optimizer state.
+    fn train(&mut self, node: usize, id: &NodeId, step: u64, version: u64, params: &[f32])
+        -> Local;
     /// Parameters after applying `updates` (validated, in the engine's order, each with the
     /// tokens its header states) at `step`.
     fn apply_round(
@@ -328,7 +330,14 @@ impl Trainer for Synthetic {
         Synthetic::init(self)
     }
 
-    fn train(&mut self, node: usize, _id: &NodeId, step: u64, params: &[f32]) -> Local {
+    fn train(
+        &mut self,
+        node: usize,
+        _id: &NodeId,
+        step: u64,
+        _version: u64,
+        params: &[f32],
+    ) -> Local {
         Local {
             update: self.local_update(node, step, params),
             tokens: self.tokens,

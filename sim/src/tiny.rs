@@ -1,40 +1,28 @@
-//! The real model as a simulator trainer (feature `torch`): the `train` crate's Llama, DeMo and
-//! exact sign step, computing exactly what `swarm run` computes (`node/src/trainer.rs`), so a
-//! simulated swarm and a real one with the same keys, run file and included sets hold
+//! The real model as a simulator trainer (feature `torch`): every node's step is the `train`
+//! crate's [`NodeStep`], the one `swarm run`'s trainer thread and `swarm train`'s replicas call,
+//! so a simulated swarm and a real one with the same keys, run file and included sets hold
 //! bit-identical parameters after every step.
 //!
 //! * Parameters live in the world as one flat `f32` vector: the model's tensors in wire order
 //!   (`ModelConfig::tensor_shapes`), each row-major. One `Llama` instance serves every node: its
 //!   weights are overwritten with the node's flat parameters before each forward pass, so 32
-//!   nodes cost 32 momenta (one parameter-sized tensor set each), not 32 models.
-//! * A node's step: its batch is `Corpus::batch("train", run seed, node id bytes, step,
-//!   batch_seqs, seq_len)` (a pure function, so anyone can recompute it), the gradient goes into
-//!   the node's own `DemoState` (clip, `delta = β·delta + lr·grad`), and `DctCodec::encode` gives
-//!   the update and removes its kept part from the momentum. The learning rate follows the
-//!   run's schedule (`train::demo::run_lr`, as the node's).
-//! * Applying: `train::demo::apply_round`, as the node does (`aggregate_round`, token-weighted
-//!   under `share`, the exact decoded sign and `apply_sign_step`); an empty set leaves the
-//!   parameters untouched, as the node does.
-//! * The digest is the protocol's `params_digest` of the named f32 tensors, the one nodes put
-//!   in summaries and checkpoints (`Llama::digest` computes the same from tensors).
+//!   nodes cost 32 optimizer states (momentum and look-ahead), not 32 models.
+//! * A node trains step t on the parameters it holds (version `base_version`, as the engine's
+//!   `StartStep` says: one step stale in the swarm's schedule), with its own [`NodeState`].
+//! * Applying, spot checks and the digest are the node's too ([`NodeStep::apply`],
+//!   [`NodeStep::spot_check`], `protocol::checkpoint::f32_params_digest`).
 //! * The reported loss is the mean loss on `eval_batches` fixed held-out batches
 //!   (`train::run::eval_loss`, as `swarm train`, `swarm demo` and the AdamW baseline report).
-//!
-//! Duplicated from the node (the `train` crate does not offer them and this crate may not
-//! reach into `node`): the mapping of a run's `DataSpec::Synthetic` onto the trainer's corpus
-//! (branch 4: the chain `swarm train` uses by default) and the ten-line train/apply sequence.
-//! A `train::data::DataSpec::from_run` and a `train::demo` "node step" function would let
-//! both call one implementation.
 
 use std::collections::HashMap;
 
 use crypto::{Digest, NodeId};
-use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
-use protocol::run::{DataSpec as RunData, RunConfig};
+use protocol::checkpoint::f32_params_digest;
+use protocol::run::RunConfig;
 use protocol::sparse::{Layout, SparseUpdate};
 use train::data::{Corpus, DataSpec};
-use train::demo::{apply_round, DctCodec, DemoState};
 use train::model::Llama;
+use train::node::{NodeState, NodeStep};
 use train::run::{eval_loss, Optimizer, TrainOptions};
 use train::tch::{self, Device, Kind, Tensor};
 
@@ -45,19 +33,17 @@ use crate::SimError;
 /// The real `tiny` (or a run file's) model, trained with DeMo by every simulated node.
 pub struct Tiny {
     run: RunConfig,
-    layout: Layout,
     /// The one model instance every node's step loads its parameters into.
     model: Llama,
-    codec: DctCodec,
+    /// What every node computes (train, apply, spot check).
+    step: NodeStep,
     corpus: Corpus,
     /// Initial parameters (version 0), flat.
     init: Vec<f32>,
     /// Each tensor's name and element count, in wire order (the flat layout).
     tensors: Vec<(String, Vec<u32>, usize)>,
-    /// Per node: its DeMo momentum (`None`: fresh, zero).
-    states: Vec<Option<DemoState>>,
-    /// Sequences per node per step (the run's nominal batch, as `swarm run` without `--batch`).
-    batch: usize,
+    /// Per node: its optimizer state (`None`: fresh, zero).
+    states: Vec<Option<NodeState>>,
     eval_batches: usize,
     adamw_lr: f64,
     adamw_wd: f64,
@@ -70,19 +56,13 @@ pub struct Tiny {
 /// The trainer's corpus for a run's data. Only the synthetic corpus is a pure function of the
 /// run file; a text or token corpus needs a local file the scenario does not name.
 fn corpus_spec(run: &RunConfig) -> Result<DataSpec, SimError> {
-    match &run.data {
-        // Branch 4, as `node::trainer::data_spec` maps it (the chain of `swarm train`).
-        RunData::Synthetic { seed, vocab } => Ok(DataSpec::Synthetic {
-            seed: *seed,
-            vocab: *vocab as usize,
-            branch: 4,
-        }),
-        _ => Err(SimError::Scenario(
+    DataSpec::for_run(run, None).map_err(|_| {
+        SimError::Scenario(
             "trainer kind \"tiny\": the simulator trains on the run's synthetic corpus only \
              ([data.Synthetic] in the run file)"
                 .into(),
-        )),
-    }
+        )
+    })
 }
 
 /// The tensors' values, flat, in order.
@@ -127,8 +107,7 @@ impl Tiny {
         // `Llama::new` holds its own lock around libtorch's global generator, so models built
         // on several threads at once still start from the run's weights.
         let model = Llama::new(&run.model, Device::Cpu, run.seed);
-        let layout = run.layout();
-        let codec = DctCodec::new(layout.clone(), Device::Cpu);
+        let step = NodeStep::for_run(run, Device::Cpu);
         let init = flatten(&model.params);
         let tensors = model
             .names
@@ -141,14 +120,12 @@ impl Tiny {
             .collect();
         Ok(Tiny {
             run: run.clone(),
-            layout,
             model,
-            codec,
+            step,
             corpus,
             init,
             tensors,
             states: Vec::new(),
-            batch: run.batch_seqs as usize,
             eval_batches: spec.eval_batches.max(1),
             adamw_lr: sc.optim.adamw_lr,
             adamw_wd: spec.adamw_wd,
@@ -158,15 +135,6 @@ impl Tiny {
 
     pub fn params_len(&self) -> usize {
         self.init.len()
-    }
-
-    fn seq(&self) -> usize {
-        self.run.model.seq_len as usize
-    }
-
-    /// The node's `Trainer::lr`: the run's schedule at `step`.
-    fn lr(&self, step: u64) -> f64 {
-        train::demo::run_lr(&self.run, step)
     }
 
     /// Overwrite the shared model's weights with `params` (flat, wire order).
@@ -205,53 +173,30 @@ impl Tiny {
     }
 
     /// A node's training step with its batch keyed by `who` (a node: its id's 32 bytes; an
-    /// in-process replica of `train::run`: `replica_id(r)`), momentum slot `node`.
-    pub fn train_as(&mut self, node: usize, who: &[u8], step: u64, params: &[f32]) -> Local {
+    /// in-process replica of `train::run`: `replica_id(r)`), state slot `node`, on `params`
+    /// holding `version` applied steps.
+    pub fn train_as(
+        &mut self,
+        node: usize,
+        who: &[u8],
+        step: u64,
+        version: u64,
+        params: &[f32],
+    ) -> Local {
         self.load(params);
-        let seq = self.seq();
-        let (x, y) = self.corpus.batch(
-            "train",
-            self.run.seed,
-            who,
-            step,
-            self.batch,
-            seq,
-            Device::Cpu,
-        );
-        self.model.zero_grad();
-        let loss = self.model.loss(&x, &y);
-        loss.backward();
-        let l = loss.double_value(&[]);
-        let grads = self.model.grads();
-        let lr = self.lr(step);
         if self.states.len() <= node {
             self.states.resize_with(node + 1, || None);
         }
         let model = &self.model;
-        let state = self.states[node].get_or_insert_with(|| DemoState::new(&model.params));
-        let o = &self.run.optim;
-        state.accumulate(&grads, lr, o);
-        let update = self.codec.encode(&mut state.delta, o.topk, o.values);
+        let state = self.states[node].get_or_insert_with(|| NodeState::new(&model.params));
+        let t = self
+            .step
+            .train(&self.corpus, &self.model, state, who, step, version);
         Local {
-            update,
-            tokens: (self.batch * seq) as u64,
-            train_loss: Some(l),
+            update: t.update,
+            tokens: t.tokens,
+            train_loss: Some(t.loss),
         }
-    }
-
-    /// Loss of the shared model (already loaded) on `batch` sequences of `who`'s training
-    /// batch for `step`, without gradients.
-    fn batch_loss(&self, who: &[u8], step: u64, batch: usize) -> f64 {
-        let (x, y) = self.corpus.batch(
-            "train",
-            self.run.seed,
-            who,
-            step,
-            batch,
-            self.seq(),
-            Device::Cpu,
-        );
-        tch::no_grad(|| self.model.loss(&x, &y).double_value(&[]))
     }
 }
 
@@ -261,8 +206,15 @@ impl Trainer for Tiny {
     }
 
     /// `node::trainer::Trainer::train`, on `params` instead of the node's own model.
-    fn train(&mut self, node: usize, id: &NodeId, step: u64, params: &[f32]) -> Local {
-        self.train_as(node, &id.0, step, params)
+    fn train(
+        &mut self,
+        node: usize,
+        id: &NodeId,
+        step: u64,
+        version: u64,
+        params: &[f32],
+    ) -> Local {
+        self.train_as(node, &id.0, step, version, params)
     }
 
     /// `node::trainer::Trainer::apply`.
@@ -277,7 +229,7 @@ impl Trainer for Tiny {
             return params.to_vec();
         }
         let p = self.tensors_of(params);
-        apply_round(&self.codec, &self.run, step, &p, updates);
+        self.step.apply(&p, step, updates);
         flatten(&p)
     }
 
@@ -288,31 +240,31 @@ impl Trainer for Tiny {
             &self.corpus,
             self.run.seed,
             self.eval_batches,
-            self.batch,
+            self.step.batch,
         )
     }
 
     /// `protocol::checkpoint::params_digest` of the named tensors (= `Llama::digest`).
     fn digest(&self, params: &[f32]) -> Digest {
         let mut off = 0;
-        let entries: Vec<TensorEntry> = self
+        let bytes: Vec<Vec<u8>> = self
             .tensors
             .iter()
-            .map(|(name, shape, n)| {
-                let bytes: Vec<u8> = params[off..off + n]
+            .map(|(_, _, n)| {
+                let b = params[off..off + n]
                     .iter()
                     .flat_map(|v| v.to_le_bytes())
                     .collect();
                 off += n;
-                TensorEntry {
-                    name: name.clone(),
-                    shape: shape.clone(),
-                    dtype: Dtype::F32,
-                    hash: Digest::of(&bytes),
-                }
+                b
             })
             .collect();
-        params_digest(&entries)
+        f32_params_digest(
+            self.tensors
+                .iter()
+                .zip(&bytes)
+                .map(|((name, shape, _), b)| (name.as_str(), shape.as_slice(), b.as_slice())),
+        )
     }
 
     fn reset_node(&mut self, node: usize) {
@@ -331,13 +283,14 @@ impl Trainer for Tiny {
             optimizer: Optimizer::Adamw,
             replicas: nodes.max(1),
             steps: steps32,
-            batch: self.batch,
+            batch: self.step.batch,
             seed: self.run.seed,
             optim: self.run.optim.clone(),
             adamw_lr: self.adamw_lr,
             adamw_wd: self.adamw_wd,
             eval_every: 1,
             eval_batches: self.eval_batches,
+            schedule: Default::default(),
         };
         let (_, report) = train::run::train(&opts, &self.corpus, Device::Cpu, |_| {})
             .map_err(|e| SimError::Scenario(format!("AdamW baseline: {e}")))?;
@@ -349,7 +302,7 @@ impl Trainer for Tiny {
     }
 
     fn layout(&self) -> &Layout {
-        &self.layout
+        self.step.layout()
     }
 
     /// The protocol's check: the loss on the sender's own batch for `step` (recomputed from its
@@ -374,12 +327,10 @@ impl Trainer for Tiny {
         if let Some(&(_, gain)) = self.spot_cache.get(&key) {
             return gain;
         }
-        let seqs = (tokens / self.seq().max(1) as u64).clamp(1, self.batch as u64) as usize;
         self.load(params);
-        let before = self.batch_loss(&sender.0, step, seqs);
-        let after = self.apply_round(step, params, &[(update, tokens)]);
-        self.load(&after);
-        let gain = before - self.batch_loss(&sender.0, step, seqs);
+        let gain = self
+            .step
+            .spot_check(&self.corpus, &self.model, &sender.0, step, update, tokens);
         // Checks concern the last few steps only (the engine's window): keep those.
         self.spot_cache.retain(|_, (s, _)| *s + 4 > step);
         self.spot_cache.insert(key, (step, gain));

@@ -760,10 +760,10 @@ impl World {
                     ),
                 }
             }
-            Action::StartStep { step, .. } => {
+            Action::StartStep { step, base_version } => {
                 let params = self.nodes[i].params.clone();
                 let id = self.nodes[i].id;
-                let local = self.trainer.train(i, &id, step, &params);
+                let local = self.trainer.train(i, &id, step, base_version, &params);
                 if let Some(l) = local.train_loss {
                     let e = self.train_losses.entry(step).or_default();
                     e.0 += l;

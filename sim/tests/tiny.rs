@@ -73,7 +73,7 @@ fn tiny_spot_check_and_digest() {
     assert_eq!(t.digest(&p0).0, m.digest());
     assert_eq!(t.apply_round(0, &p0, &[]), p0);
     let id = sim::world::identity(sc.seed, 0).node_id();
-    let local = t.train(0, &id, 0, &p0);
+    let local = t.train(0, &id, 0, 0, &p0);
     let gain = t.spot_check(&id, 0, &p0, &local.update, local.tokens);
     assert!(gain > 0.0, "own update on own batch: gain {gain}");
 }
@@ -102,6 +102,7 @@ fn tiny_matches_train_run() {
         adamw_wd: 0.1,
         eval_every: 0,
         eval_batches: 1,
+        schedule: Default::default(),
     };
     let corpus = train::data::Corpus::open(&train::data::DataSpec::Synthetic {
         seed: 1,
@@ -129,7 +130,7 @@ fn tiny_matches_train_run() {
     let mut p = t.init();
     for step in 0..steps as u64 {
         let locals: Vec<_> = (0..replicas)
-            .map(|r| t.train_as(r, &train::run::replica_id(r), step, &p))
+            .map(|r| t.train_as(r, &train::run::replica_id(r), step, step, &p))
             .collect();
         let set: Vec<_> = locals.iter().map(|l| (&l.update, l.tokens)).collect();
         p = t.apply_round(step, &p, &set);

@@ -215,6 +215,43 @@ pub enum DataSpec {
 }
 
 impl DataSpec {
+    /// The corpus a node of `run` trains on. A synthetic run is a pure function of the run
+    /// file (branch 4: the chain of `swarm train`'s default corpus); a text or token run needs
+    /// the node's local copy of the file (`local`).
+    pub fn for_run(
+        run: &protocol::run::RunConfig,
+        local: Option<&str>,
+    ) -> Result<DataSpec, TrainError> {
+        use protocol::run::DataSpec as Run;
+        match (&run.data, local) {
+            (Run::Synthetic { seed, vocab }, _) => Ok(DataSpec::Synthetic {
+                seed: *seed,
+                vocab: *vocab as usize,
+                branch: 4,
+            }),
+            (Run::Text { tokenizer, .. }, Some(path)) => Ok(DataSpec::Text {
+                path: path.to_string(),
+                tokenizer: (!tokenizer.is_empty() && tokenizer != "bytes")
+                    .then(|| tokenizer.clone()),
+            }),
+            (
+                Run::Tokens {
+                    vocab,
+                    bytes_per_token,
+                    ..
+                },
+                Some(path),
+            ) => Ok(DataSpec::Shard {
+                path: path.to_string(),
+                width: *bytes_per_token as u32 * 8,
+                vocab: *vocab as usize,
+            }),
+            _ => Err(TrainError::Data(
+                "this run trains on a file: pass it with --data PATH".into(),
+            )),
+        }
+    }
+
     pub fn synthetic_default() -> DataSpec {
         DataSpec::Synthetic {
             seed: 1,

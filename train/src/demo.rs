@@ -310,41 +310,6 @@ pub fn apply_sign_step(params: &[Tensor], signs: &[Tensor], lr: f64, wd: f64) {
     });
 }
 
-/// The learning rate of `run`'s schedule (warm-up, then cosine) at `step`.
-pub fn run_lr(run: &protocol::run::RunConfig, step: u64) -> f64 {
-    let o = &run.optim;
-    protocol::config::lr_at(
-        step.min(u32::MAX as u64) as u32,
-        o.lr,
-        o.warmup_steps,
-        o.total_steps,
-        o.min_lr_ratio,
-    )
-}
-
-/// One round's sign step, what every node of `run` applies for `step`: the included updates
-/// (each with the tokens its header states) combined as the run says, decoded exactly, and
-/// applied to `params`. An empty set changes nothing.
-pub fn apply_round(
-    codec: &DctCodec,
-    run: &protocol::run::RunConfig,
-    step: u64,
-    params: &[Tensor],
-    updates: &[(&SparseUpdate, u64)],
-) {
-    if updates.is_empty() {
-        return;
-    }
-    let agg = sparse::aggregate_round(
-        &codec.layout,
-        run.optim.combine,
-        run.nominal_tokens(),
-        updates,
-    );
-    let signs = codec.exact_sign(&agg);
-    apply_sign_step(params, &signs, run_lr(run, step), run.optim.weight_decay);
-}
-
 /// One node's DeMo state: its momentum ("delta").
 pub struct DemoState {
     pub delta: Vec<Tensor>,

@@ -6,6 +6,7 @@ pub mod adamw;
 pub mod data;
 pub mod demo;
 pub mod model;
+pub mod node;
 pub mod rng;
 pub mod run;
 

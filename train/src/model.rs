@@ -278,21 +278,19 @@ pub fn f32_le_bytes(p: &Tensor) -> Vec<u8> {
 
 /// `protocol::checkpoint::params_digest` of named f32 tensors.
 pub fn named_digest(names: &[String], params: &[Tensor]) -> [u8; 32] {
-    use protocol::checkpoint::{params_digest, Dtype, TensorEntry};
-    let entries: Vec<TensorEntry> = names
+    let shapes: Vec<Vec<u32>> = params
         .iter()
-        .zip(params)
-        .map(|(n, p)| {
-            let bytes = f32_le_bytes(p);
-            TensorEntry {
-                name: n.clone(),
-                shape: p.size().iter().map(|&d| d as u32).collect(),
-                dtype: Dtype::F32,
-                hash: crypto::Digest(*blake3::hash(&bytes).as_bytes()),
-            }
-        })
+        .map(|p| p.size().iter().map(|&d| d as u32).collect())
         .collect();
-    params_digest(&entries).0
+    let bytes: Vec<Vec<u8>> = params.iter().map(f32_le_bytes).collect();
+    protocol::checkpoint::f32_params_digest(
+        names
+            .iter()
+            .zip(&shapes)
+            .zip(&bytes)
+            .map(|((n, s), b)| (n.as_str(), s.as_slice(), b.as_slice())),
+    )
+    .0
 }
 
 /// Digest of unnamed tensors (names `0`, `1`, …), for tests and tools.

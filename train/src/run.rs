@@ -3,15 +3,22 @@
 //!
 //! The replicas of a DeMo run hold bit-identical parameters by construction (every one applies
 //! the same exact sign step), so the process keeps one copy of the weights and one momentum per
-//! replica; each replica computes its own gradient on its own batch.
+//! replica; each replica computes its own gradient on its own batch with the node's own step
+//! (`crate::node::NodeStep`), exactly as `swarm run` and the simulator do.
+//!
+//! [`Schedule::Overlap`] is the swarm's schedule without the network: step t is trained on
+//! parameters that still lack step t−1 (in a swarm its updates are in flight while the next
+//! step computes), and step t−1 is applied after step t's gradients are taken. For AdamW the
+//! same schedule is a one-step-delayed all-reduce.
 
 use crate::adamw::AdamW;
 use crate::data::Corpus;
-use crate::demo::{apply_sign_step, grad_norm, DctCodec, DemoState};
+use crate::demo::grad_norm;
 use crate::model::Llama;
+use crate::node::{NodeState, NodeStep};
 use crate::TrainError;
 use protocol::config::{lr_at, ModelConfig, OptimConfig};
-use protocol::sparse::{self, Layout, SparseUpdate};
+use protocol::sparse::SparseUpdate;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 use tch::{Device, Tensor};
@@ -21,6 +28,28 @@ use tch::{Device, Tensor};
 pub enum Optimizer {
     Demo,
     Adamw,
+}
+
+/// When a step's result reaches the parameters the next step trains on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Step t trains on parameters holding every step before it (one process, no network).
+    #[default]
+    Sync,
+    /// The swarm's: step t trains on parameters that lack step t−1.
+    Overlap,
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sync" => Ok(Schedule::Sync),
+            "overlap" => Ok(Schedule::Overlap),
+            o => Err(format!("unknown schedule {o:?} (expected sync or overlap)")),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -39,6 +68,8 @@ pub struct TrainOptions {
     pub adamw_wd: f64,
     pub eval_every: u32,
     pub eval_batches: usize,
+    #[serde(default)]
+    pub schedule: Schedule,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -134,57 +165,72 @@ pub fn train(
     let model = Llama::new(&opts.model, device, opts.seed);
     let seq = opts.model.seq_len as usize;
     let n = opts.replicas;
-    let layout = Layout::for_model(&opts.model, opts.optim.chunk);
-    let o = &opts.optim;
+    let overlap = opts.schedule == Schedule::Overlap;
+    // The cosine ends at this run's last step.
+    let o = OptimConfig {
+        total_steps: opts.steps,
+        ..opts.optim.clone()
+    };
     let mut records = Vec::with_capacity(opts.steps as usize);
     let mut update_bytes = None;
 
     enum Opt {
         Demo {
-            codec: DctCodec,
-            states: Vec<DemoState>,
+            node: NodeStep,
+            states: Vec<NodeState>,
+            /// Overlap: the last step's updates, not yet applied.
+            pending: Option<(u64, Vec<SparseUpdate>)>,
         },
-        Adam(AdamW),
+        Adam {
+            adam: AdamW,
+            /// Overlap: the last step's all-reduced (clipped) gradient, not yet applied.
+            pending: Option<(u32, Vec<Tensor>)>,
+        },
     }
     let mut opt = match opts.optimizer {
         Optimizer::Demo => Opt::Demo {
-            codec: DctCodec::new(layout.clone(), device),
-            states: (0..n).map(|_| DemoState::new(&model.params)).collect(),
+            node: NodeStep::new(&opts.model, &o, opts.seed, opts.batch, device),
+            states: (0..n).map(|_| NodeState::new(&model.params)).collect(),
+            pending: None,
         },
-        Optimizer::Adamw => Opt::Adam(AdamW::new(&model.params, opts.adamw_wd)),
+        Optimizer::Adamw => Opt::Adam {
+            adam: AdamW::new(&model.params, opts.adamw_wd),
+            pending: None,
+        },
     };
     let ids: Vec<Vec<u8>> = (0..n).map(replica_id).collect();
+    // Steps applied to the parameters.
+    let mut version = 0u64;
     for step in 0..opts.steps {
+        let last = step + 1 == opts.steps;
         let mut rec = StepRecord {
             step,
             ..Default::default()
         };
         match &mut opt {
-            Opt::Demo { codec, states } => {
-                let lr = lr_at(step, o.lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
-                rec.lr = lr;
+            Opt::Demo {
+                node,
+                states,
+                pending,
+            } => {
+                rec.lr = node.lr(step as u64);
                 let mut updates: Vec<SparseUpdate> = Vec::with_capacity(n);
+                let mut tokens = 0;
                 for r in 0..n {
-                    let t0 = Instant::now();
-                    let (x, y) = corpus.batch(
-                        "train",
-                        opts.seed,
+                    let t = node.train(
+                        corpus,
+                        &model,
+                        &mut states[r],
                         &ids[r],
                         step as u64,
-                        opts.batch,
-                        seq,
-                        device,
+                        version,
                     );
-                    model.zero_grad();
-                    let loss = model.loss(&x, &y);
-                    loss.backward();
-                    rec.train_loss += loss.double_value(&[]) / n as f64;
-                    let grads = model.grads();
-                    rec.t_fwd_bwd += t0.elapsed().as_secs_f64();
-                    let t1 = Instant::now();
-                    rec.grad_norm += states[r].accumulate(&grads, lr, o) / n as f64;
-                    updates.push(codec.encode(&mut states[r].delta, o.topk, o.values));
-                    rec.t_compress += t1.elapsed().as_secs_f64();
+                    rec.train_loss += t.loss / n as f64;
+                    rec.grad_norm += t.grad_norm / n as f64;
+                    rec.t_fwd_bwd += t.t_fwd_bwd;
+                    rec.t_compress += t.t_compress;
+                    tokens = t.tokens;
+                    updates.push(t.update);
                 }
                 let t2 = Instant::now();
                 let blob = updates[0].encode().len() as u64;
@@ -192,22 +238,29 @@ pub fn train(
                 rec.bytes_sent = blob;
                 rec.bytes_received = blob * (n as u64 - 1);
                 // Every replica trains a full batch: equal token counts.
-                let tokens = (opts.batch * seq) as u64;
-                let set: Vec<(&SparseUpdate, u64)> = updates.iter().map(|u| (u, tokens)).collect();
-                let agg = sparse::aggregate_round(&layout, o.combine, tokens, &set);
-                let signs = codec.exact_sign(&agg);
-                apply_sign_step(&model.params, &signs, lr, o.weight_decay);
+                let mut apply = |s: u64, ups: &[SparseUpdate]| {
+                    let set: Vec<(&SparseUpdate, u64)> = ups.iter().map(|u| (u, tokens)).collect();
+                    node.apply(&model.params, s, &set);
+                    version = s + 1;
+                };
+                if overlap {
+                    if let Some((s, ups)) = pending.take() {
+                        apply(s, &ups);
+                    }
+                    if last {
+                        apply(step as u64, &updates);
+                    } else {
+                        *pending = Some((step as u64, updates));
+                    }
+                } else {
+                    apply(step as u64, &updates);
+                }
                 rec.t_apply = t2.elapsed().as_secs_f64();
             }
-            Opt::Adam(adam) => {
-                let lr = lr_at(
-                    step,
-                    opts.adamw_lr,
-                    o.warmup_steps,
-                    opts.steps,
-                    o.min_lr_ratio,
-                );
-                rec.lr = lr;
+            Opt::Adam { adam, pending } => {
+                let lr_of =
+                    |s: u32| lr_at(s, opts.adamw_lr, o.warmup_steps, opts.steps, o.min_lr_ratio);
+                rec.lr = lr_of(step);
                 let t0 = Instant::now();
                 model.zero_grad();
                 for r in 0..n {
@@ -229,7 +282,18 @@ pub fn train(
                 rec.t_fwd_bwd = t0.elapsed().as_secs_f64();
                 let t1 = Instant::now();
                 rec.grad_norm = clip(&mut grads, o.grad_clip);
-                adam.step(&model.params, &grads, lr);
+                if overlap {
+                    if let Some((s, g)) = pending.take() {
+                        adam.step(&model.params, &g, lr_of(s));
+                    }
+                    if last {
+                        adam.step(&model.params, &grads, lr_of(step));
+                    } else {
+                        *pending = Some((step, grads));
+                    }
+                } else {
+                    adam.step(&model.params, &grads, lr_of(step));
+                }
                 rec.t_apply = t1.elapsed().as_secs_f64();
                 // A ring all-reduce sends and receives 2·(N−1)/N of the f32 gradient per node.
                 let b = (2.0 * (n as f64 - 1.0) / n as f64 * 4.0 * model.numel() as f64) as u64;
@@ -237,7 +301,7 @@ pub fn train(
                 rec.bytes_received = b;
             }
         }
-        if opts.eval_every > 0 && (step % opts.eval_every == 0 || step + 1 == opts.steps) {
+        if opts.eval_every > 0 && (step % opts.eval_every == 0 || last) {
             rec.eval_loss = Some(eval_loss(
                 &model,
                 corpus,

@@ -34,6 +34,7 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
         adamw_wd: 0.1,
         eval_every: 0,
         eval_batches: 4,
+        schedule: Default::default(),
     };
     (o, corpus)
 }
