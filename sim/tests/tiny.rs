@@ -83,12 +83,28 @@ fn tiny_spot_check_and_digest() {
 /// parameter digest as `swarm train`'s in-process DeMo run of the same configuration.
 #[test]
 fn tiny_matches_train_run() {
+    matches_train_run(train::run::Schedule::Sync, protocol::config::Lookahead::Off);
+}
+
+/// The same under the swarm's schedule (step t trained on parameters still lacking step t−1),
+/// with and without the look-ahead, so `swarm train --schedule overlap` measures what the
+/// simulator's nodes (and `swarm run`'s) compute.
+#[test]
+fn tiny_matches_train_run_overlapped() {
+    use protocol::config::Lookahead;
+    for la in [Lookahead::Off, Lookahead::Momentum, Lookahead::Update] {
+        matches_train_run(train::run::Schedule::Overlap, la);
+    }
+}
+
+fn matches_train_run(schedule: train::run::Schedule, lookahead: protocol::config::Lookahead) {
     let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
     let sc = scenario();
-    let (replicas, steps) = (2usize, 3u32);
+    let (replicas, steps) = (2usize, 4u32);
     let mut optim = sc.optim.config(steps as u64);
     // `train::run::train` runs its cosine over its own step count.
     optim.total_steps = steps;
+    optim.lookahead = lookahead;
     let model = protocol::config::ModelConfig::named("tiny", 64).unwrap();
     let opts = train::run::TrainOptions {
         model: model.clone(),
@@ -102,7 +118,7 @@ fn tiny_matches_train_run() {
         adamw_wd: 0.1,
         eval_every: 0,
         eval_batches: 1,
-        schedule: Default::default(),
+        schedule,
     };
     let corpus = train::data::Corpus::open(&train::data::DataSpec::Synthetic {
         seed: 1,
@@ -128,12 +144,34 @@ fn tiny_matches_train_run() {
     run.batch_seqs = 2;
     let mut t = sim::tiny::Tiny::new(&run, &sc).unwrap();
     let mut p = t.init();
+    let overlap = schedule == train::run::Schedule::Overlap;
+    // (step, updates) trained but not yet applied: the swarm's in-flight round.
+    let mut pending: Option<(u64, Vec<sim::synth::Local>)> = None;
+    let mut version = 0u64;
     for step in 0..steps as u64 {
         let locals: Vec<_> = (0..replicas)
-            .map(|r| t.train_as(r, &train::run::replica_id(r), step, step, &p))
+            .map(|r| t.train_as(r, &train::run::replica_id(r), step, version, &p))
             .collect();
-        let set: Vec<_> = locals.iter().map(|l| (&l.update, l.tokens)).collect();
-        p = t.apply_round(step, &p, &set);
+        let mut rounds = Vec::new();
+        if overlap {
+            rounds.extend(pending.take());
+            if step + 1 == steps as u64 {
+                rounds.push((step, locals));
+            } else {
+                pending = Some((step, locals));
+            }
+        } else {
+            rounds.push((step, locals));
+        }
+        for (s, locals) in rounds {
+            let set: Vec<_> = locals.iter().map(|l| (&l.update, l.tokens)).collect();
+            p = t.apply_round(s, &p, &set);
+            version = s + 1;
+        }
     }
-    assert_eq!(t.digest(&p).to_hex(), report.final_digest);
+    assert_eq!(
+        t.digest(&p).to_hex(),
+        report.final_digest,
+        "{schedule:?} look-ahead {lookahead:?}"
+    );
 }
