@@ -229,6 +229,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         None => toml::from_str(TINY_LOCAL).context("embedded tiny-local.toml")?,
     };
+    // The demo's run is exactly --steps long: its lr schedule (warm-up, cosine) ends there.
+    run.optim.total_steps = a.steps.min(u32::MAX as u64) as u32;
+    run.optim.warmup_steps = run.optim.warmup_steps.min(run.optim.total_steps / 10);
     run.timing.period_ms = a.period_ms;
     run.timing.grace_ms = a.period_ms * 4 / 25;
     run.timing.summary_ms = a.period_ms * 8 / 25;

@@ -13,7 +13,9 @@ use train::run::{Optimizer, Schedule, TrainOptions};
 #[command(
     after_help = "Examples:\n  swarm train --report runs/demo.json\n  swarm train --optimizer adamw --report runs/adamw.json\n  \
 swarm plot runs/demo.json runs/adamw.json --out runs/compare.png\n  \
-swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json"
+swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json\n  \
+swarm train --schedule overlap --replicas 16 --steps 1000 --report runs/swarm-schedule.json\n  \
+swarm train --schedule overlap --lookahead off --report runs/no-lookahead.json   # the stall"
 )]
 pub struct TrainArgs {
     /// Model: tiny (~0.85M params, minutes on a CPU), small (~27M), 1.2b (the DisTrO report's).
@@ -50,11 +52,13 @@ pub struct TrainArgs {
     /// DeMo: value encoding on the wire: sign (1 bit), bf16 or f32.
     #[arg(long, default_value = "sign")]
     values: ValueCodec,
-    /// DeMo: peak sign-step size.
-    #[arg(long, default_value_t = 3e-3)]
+    /// DeMo: peak sign-step size. Sign steps want a smaller rate than AdamW's: 1e-3 was best
+    /// of 3e-4 / 1e-3 / 3e-3 for `tiny` (docs/BENCHMARKS.md, "Why the swarm stalled").
+    #[arg(long, default_value_t = 1e-3)]
     lr: f64,
-    /// DeMo: momentum decay β.
-    #[arg(long, default_value_t = 0.999)]
+    /// DeMo: momentum decay β. A short memory suits runs of hundreds to a few thousand steps
+    /// (0.95 beat 0.9 / 0.99 / 0.999 for `tiny`); long runs may want 0.99–0.999.
+    #[arg(long, default_value_t = 0.95)]
     beta: f64,
     /// DeMo: decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
@@ -83,7 +87,7 @@ pub struct TrainArgs {
     /// DeMo under `--schedule overlap`: delay compensation at zero bytes. off; momentum (train
     /// at w − lr·sign(own momentum), Psyche's); update (train at w − the exact step of the
     /// node's own last update).
-    #[arg(long, default_value = "off")]
+    #[arg(long, default_value = "momentum")]
     lookahead: Lookahead,
     #[arg(long, default_value_t = 0)]
     seed: u64,
