@@ -30,13 +30,13 @@ pub struct DemoArgs {
     /// Trainer processes.
     #[arg(long, default_value_t = 4)]
     pub trainers: usize,
-    /// Steps to train. 300 short steps let both curves fall well below the ln 32 plateau
-    /// within the demo's minutes (the run file's cosine spans 300 steps).
-    #[arg(long, default_value_t = 300)]
+    /// Steps to train. 400 short steps let both curves fall well below the ln 32 plateau
+    /// within the demo's minutes (the embedded run's warm-up and cosine span 400 steps).
+    #[arg(long, default_value_t = 400)]
     pub steps: u64,
-    /// Step period (grace and summary windows scale with it). 700 ms fits 4 `tiny` trainers
+    /// Step period (grace and summary windows scale with it). 600 ms fits 4 `tiny` trainers
     /// (~150 ms of training each) on 2 cores; raise it for bigger models or slower machines.
-    #[arg(long, default_value_t = 700)]
+    #[arg(long, default_value_t = 600)]
     pub period_ms: u64,
     /// Seconds from now until step 0 (process start, model init, peer discovery).
     #[arg(long, default_value_t = 10)]
