@@ -257,6 +257,13 @@ fn a_node_joining_at_step_20_fetches_a_checkpoint_and_agrees_after_every_step() 
     wait_until(80, "the joiner's step 29", || {
         last_step(&l.status("joiner")) >= Some(29)
     });
+    // The others apply step 29 at the same deadline but may write its status line a moment
+    // later than the joiner (a loaded machine): compare only once everyone has written it.
+    for i in 0..3 {
+        wait_until(30, "step 29 at every node", || {
+            last_step(&l.status(&format!("n{i}"))) >= Some(29)
+        });
+    }
 
     let log = l.log("joiner");
     let loaded = log
