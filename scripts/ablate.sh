@@ -10,7 +10,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ARMS="$1"; OUT="$2"; JOBS="${3:-2}"
-SWARM="$ROOT/target/release/swarm"
+# SWARM may name a copy of the binary, so a rebuild does not change arms mid-sweep.
+SWARM="${SWARM:-$ROOT/target/release/swarm}"
 [[ -x "$SWARM" ]] || { bash "$ROOT/scripts/setup.sh" && (cd "$ROOT" && cargo build --release -p node); }
 mkdir -p "$OUT"
 run_arm() {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use crypto::Identity;
+use protocol::config::OptimConfig;
 use protocol::run::RunConfig;
 use serde::{Deserialize, Serialize};
 use train::run::{Optimizer, Report, StepRecord, TrainOptions};
@@ -516,14 +517,20 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
     }
 
+    // Equal tokens: a local-steps window is H batches; AdamW counts warm-up in batches.
+    let hh = run.optim.inner_steps();
     let opts = TrainOptions {
         model: run.model.clone(),
         optimizer: Optimizer::Adamw,
         replicas: a.trainers,
-        steps: a.steps as u32,
+        steps: a.steps as u32 * hh,
         batch: run.batch_seqs as usize,
         seed: run.seed,
-        optim: run.optim.clone(),
+        optim: OptimConfig {
+            warmup_steps: run.optim.warmup_steps * hh,
+            local: None,
+            ..run.optim.clone()
+        },
         adamw_lr: 3e-3,
         adamw_wd: 0.1,
         eval_every: 0,

@@ -15,18 +15,23 @@ use train::run::{Optimizer, Schedule, TrainOptions};
 swarm plot runs/demo.json runs/adamw.json --out runs/compare.png\n  \
 swarm train --data ../shared/data/tinyshakespeare.txt --steps 300 --report runs/shakespeare.json\n  \
 swarm train --schedule overlap --replicas 16 --steps 1000 --report runs/swarm-schedule.json\n  \
-swarm train --schedule overlap --lookahead off --report runs/no-lookahead.json   # the stall"
+swarm train --schedule overlap --lookahead off --report runs/no-lookahead.json   # the stall\n  \
+swarm train --optimizer local --schedule overlap --replicas 16 --steps 1000 --report runs/local.json"
 )]
 pub struct TrainArgs {
     /// Model: tiny (~0.85M params, minutes on a CPU), small (~27M), 1.2b (the DisTrO report's).
     #[arg(long, default_value = "tiny")]
     model: String,
-    /// demo (DisTrO/DeMo sparse sign updates) or adamw (AdamW on the all-reduced mean gradient).
+    /// demo (DisTrO/DeMo sparse sign updates), adamw (AdamW on the all-reduced mean gradient) or
+    /// local (local steps: each replica takes --inner-steps AdamW steps at --adamw-lr, then the
+    /// replicas exchange the top-k of their error-fed pseudo-gradients and average them).
     #[arg(long, default_value = "demo", value_parser = parse_opt)]
     optimizer: Optimizer,
     /// Data-parallel replicas in this process.
     #[arg(long, default_value_t = 8)]
     replicas: usize,
+    /// Batches each replica trains (equal tokens for every optimizer; local steps run
+    /// steps / inner-steps windows).
     #[arg(long, default_value_t = 300)]
     steps: u32,
     /// Sequences per replica per step.
@@ -43,15 +48,29 @@ pub struct TrainArgs {
     /// Bits per token of a shard (16 or 32); *.u32 files default to 32.
     #[arg(long)]
     token_width: Option<u32>,
-    /// DeMo: coefficients kept per chunk.
-    #[arg(long, default_value_t = 4)]
-    topk: u32,
+    /// Coefficients kept per chunk (default: 4 for demo, 64 for local).
+    #[arg(long)]
+    topk: Option<u32>,
     /// DeMo: target chunk length per dimension.
     #[arg(long, default_value_t = 64)]
     chunk: u32,
-    /// DeMo: value encoding on the wire: sign (1 bit), bf16 or f32.
-    #[arg(long, default_value = "sign")]
-    values: ValueCodec,
+    /// Value encoding on the wire: sign (1 bit), q2 / q4 (2 / 4 bits on a per-tensor scale),
+    /// bf16 or f32 (default: sign for demo, q2 for local).
+    #[arg(long)]
+    values: Option<ValueCodec>,
+    /// Local steps: AdamW steps per window (H); one exchange per window.
+    #[arg(long, default_value_t = 16)]
+    inner_steps: u32,
+    /// Local steps: outer step size on the averaged pseudo-gradient (1 = plain averaging).
+    #[arg(long, default_value_t = 1.0)]
+    outer_lr: f64,
+    /// Local steps: error-feedback decay.
+    #[arg(long, default_value_t = 0.95)]
+    ef_decay: f64,
+    /// Local steps: select the top-k of each chunk's DCT coefficients rather than of its raw
+    /// values.
+    #[arg(long)]
+    dct: bool,
     /// DeMo: peak sign-step size. Sign steps want a smaller rate than AdamW's: 1e-3 was best
     /// of 3e-4 / 1e-3 / 3e-3 for `tiny` (docs/BENCHMARKS.md, "Why the swarm stalled").
     #[arg(long, default_value_t = 1e-3)]
@@ -114,7 +133,10 @@ fn parse_opt(s: &str) -> Result<Optimizer, String> {
     match s {
         "demo" => Ok(Optimizer::Demo),
         "adamw" => Ok(Optimizer::Adamw),
-        o => Err(format!("unknown optimizer {o:?} (expected demo or adamw)")),
+        "local" => Ok(Optimizer::Local),
+        o => Err(format!(
+            "unknown optimizer {o:?} (expected demo, adamw or local)"
+        )),
     }
 }
 
@@ -171,6 +193,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bail!("unknown model {:?} (expected tiny, small or 1.2b)", a.model);
     };
     let warmup = a.warmup.unwrap_or((a.steps / 10).min(250));
+    let local = a.optimizer == Optimizer::Local;
     let opts = TrainOptions {
         model: model.clone(),
         optimizer: a.optimizer,
@@ -180,11 +203,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         optim: OptimConfig {
             chunk: a.chunk,
-            topk: a.topk,
-            values: a.values,
+            topk: a.topk.unwrap_or(if local { 64 } else { 4 }),
+            values: a.values.unwrap_or(if local {
+                ValueCodec::Q2
+            } else {
+                ValueCodec::Sign
+            }),
             beta: a.beta,
-            lr: a.lr,
-            weight_decay: a.wd,
+            // Local steps' inner optimizer is AdamW: its rate and decay.
+            lr: if local { a.adamw_lr } else { a.lr },
+            weight_decay: if local { a.adamw_wd } else { a.wd },
             warmup_steps: warmup,
             total_steps: a.steps,
             min_lr_ratio: 0.1,
@@ -194,6 +222,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 CombineArg::Share => protocol::config::Combine::Share,
             },
             lookahead: a.lookahead,
+            local: local.then(|| protocol::config::LocalSteps {
+                inner_steps: a.inner_steps.max(1),
+                outer_lr: a.outer_lr,
+                ef_decay: a.ef_decay,
+                dct: a.dct,
+                ..Default::default()
+            }),
         },
         adamw_lr: a.adamw_lr,
         adamw_wd: a.adamw_wd,
@@ -255,9 +290,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     if let Some(b) = report.update_bytes {
+        let hh = opts.optim.inner_steps().max(1) as f64;
+        let hh = if local { hh } else { 1.0 };
+        let tokens = hh * (a.batch as f64) * model.seq_len as f64;
         println!(
-            "update size:     {b} bytes ({:.4} bits/param)",
-            b as f64 * 8.0 / report.params as f64
+            "update size:     {b} bytes ({:.4} bits/param, {:.2} bytes/token{})",
+            b as f64 * 8.0 / report.params as f64,
+            b as f64 / tokens,
+            if local {
+                format!(", one per {} batches", hh as u32)
+            } else {
+                String::new()
+            }
         );
     }
     if let Some(c) = report.codec_fraction {

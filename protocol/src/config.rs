@@ -14,6 +14,13 @@ pub enum ValueCodec {
     Bf16,
     /// IEEE f32, little-endian.
     F32,
+    /// 2 bits per value on a per-tensor scale: an f32 step `s` (little-endian, finite, ≥ 0)
+    /// and then codes `c ∈ 0..4` meaning `(c − 1.5)·s` (a uniform mid-rise quantizer with no
+    /// zero level: every kept coefficient moves). For local steps' pseudo-gradients, whose
+    /// quantization error goes back into the sender's error feedback.
+    Q2,
+    /// 4 bits per value on a per-tensor scale: codes `c ∈ 0..16` meaning `(c − 7.5)·s`.
+    Q4,
 }
 
 impl ValueCodec {
@@ -23,6 +30,8 @@ impl ValueCodec {
             ValueCodec::Sign => 1,
             ValueCodec::Bf16 => 16,
             ValueCodec::F32 => 32,
+            ValueCodec::Q2 => 2,
+            ValueCodec::Q4 => 4,
         }
     }
 
@@ -31,7 +40,14 @@ impl ValueCodec {
             ValueCodec::Sign => "sign",
             ValueCodec::Bf16 => "bf16",
             ValueCodec::F32 => "f32",
+            ValueCodec::Q2 => "q2",
+            ValueCodec::Q4 => "q4",
         }
+    }
+
+    /// Codecs with a per-tensor scale: their values cannot be summed as small integers.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, ValueCodec::Q2 | ValueCodec::Q4)
     }
 }
 
@@ -42,8 +58,10 @@ impl std::str::FromStr for ValueCodec {
             "sign" => Ok(ValueCodec::Sign),
             "bf16" => Ok(ValueCodec::Bf16),
             "f32" => Ok(ValueCodec::F32),
+            "q2" => Ok(ValueCodec::Q2),
+            "q4" => Ok(ValueCodec::Q4),
             other => Err(format!(
-                "unknown value codec {other:?} (expected sign, bf16 or f32)"
+                "unknown value codec {other:?} (expected sign, q2, q4, bf16 or f32)"
             )),
         }
     }
@@ -194,6 +212,49 @@ impl std::str::FromStr for Lookahead {
     }
 }
 
+/// Local steps (SparseLoCo / DiLoCo style): one protocol step is a *window* of
+/// `inner_steps` AdamW steps that each node takes on its own recomputable batches, from its
+/// own parameters (its inner optimizer state stays local and is never sent). At the end of a
+/// window a node adds its pseudo-gradient (window-start parameters − parameters now) into an
+/// error-feedback buffer decayed by `ef_decay`, sends the top-k per chunk of that buffer
+/// (after a chunked DCT when `dct`, else of the raw chunk) with the run's value codec, and
+/// subtracts what it sent, as the receivers will decode it, from the buffer. Every node then
+/// applies the same outer step to the shared parameters: the run's combine rule over the
+/// window's included updates, decoded exactly, times `outer_lr`.
+///
+/// In the enclosing [`OptimConfig`], `lr`, `weight_decay` and `grad_clip` are the inner
+/// AdamW's, `warmup_steps` and `total_steps` count windows (the inner rate follows the same
+/// warm-up and cosine over inner steps), and `beta` and `lookahead` are unused: a node always
+/// starts its next window from its own end-of-window parameters while the window's updates
+/// travel (see `train::node`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LocalSteps {
+    /// Inner steps per window (H).
+    pub inner_steps: u32,
+    /// Outer step size on the combined pseudo-gradient (1 = plain averaging).
+    pub outer_lr: f64,
+    /// Error-feedback decay: `buf = ef_decay·buf + pseudo-gradient`.
+    pub ef_decay: f64,
+    /// Select the top-k of each chunk's DCT coefficients (true) or of its raw values.
+    pub dct: bool,
+    /// Inner AdamW moments.
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+}
+
+impl Default for LocalSteps {
+    fn default() -> Self {
+        LocalSteps {
+            inner_steps: 16,
+            outer_lr: 1.0,
+            ef_decay: 0.95,
+            dct: false,
+            adam_beta1: 0.9,
+            adam_beta2: 0.95,
+        }
+    }
+}
+
 /// DeMo hyperparameters (defaults as in the reference code, k as in Psyche).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimConfig {
@@ -221,6 +282,17 @@ pub struct OptimConfig {
     /// keep their run id).
     #[serde(default, skip_serializing_if = "Lookahead::is_off")]
     pub lookahead: Lookahead,
+    /// Local steps in place of DeMo's per-step sign update (absent = DeMo, so older run
+    /// configs keep their run id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalSteps>,
+}
+
+impl OptimConfig {
+    /// Inner steps per protocol step: H for local steps, 1 for DeMo.
+    pub fn inner_steps(&self) -> u32 {
+        self.local.as_ref().map_or(1, |l| l.inner_steps.max(1))
+    }
 }
 
 impl Default for OptimConfig {
@@ -238,6 +310,7 @@ impl Default for OptimConfig {
             grad_clip: 1.0,
             combine: Combine::Mean,
             lookahead: Lookahead::Off,
+            local: None,
         }
     }
 }

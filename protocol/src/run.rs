@@ -231,10 +231,11 @@ impl RunConfig {
         format!("swarm/{}/v1", self.run_id().to_hex())
     }
 
-    /// Tokens in one full local batch (`batch_seqs · seq_len`): the cap and unit of an
-    /// update's weight (see `sparse::token_weight`).
+    /// Tokens of one node's full protocol step (`batch_seqs · seq_len`, times the window's
+    /// inner steps for local steps): the cap and unit of an update's weight (see
+    /// `sparse::token_weight`).
     pub fn nominal_tokens(&self) -> u64 {
-        self.batch_seqs as u64 * self.model.seq_len as u64
+        self.batch_seqs as u64 * self.model.seq_len as u64 * self.optim.inner_steps() as u64
     }
 
     pub fn layout(&self) -> Layout {

@@ -278,12 +278,61 @@ pub fn unpack_bits(bytes: &[u8], bits: u32, count: usize) -> Vec<u32> {
     out
 }
 
-/// Bytes of packed values for `n` entries.
+/// Bytes of packed values for `n` entries (a quantized codec adds its 4-byte scale).
 pub fn values_len(codec: ValueCodec, n: usize) -> usize {
-    (n * codec.bits() as usize).div_ceil(8)
+    let header = if codec.is_quantized() { 4 } else { 0 };
+    header + (n * codec.bits() as usize).div_ceil(8)
 }
 
-/// Pack f32 values in a codec (sign: positive or zero → bit set).
+/// Bits of `values` that carry information (the rest is zero padding).
+fn values_used_bits(codec: ValueCodec, n: usize) -> usize {
+    let header = if codec.is_quantized() { 32 } else { 0 };
+    header + n * codec.bits() as usize
+}
+
+/// Levels of a quantized codec and the step, relative to the values' RMS, that minimizes the
+/// mean squared error of a uniform quantizer for Gaussian data (Max, 1960): the kept top-k
+/// values are not Gaussian, but the error feedback carries whatever this misses.
+fn quant_levels(codec: ValueCodec) -> (u32, f32) {
+    match codec {
+        ValueCodec::Q2 => (4, 0.9957),
+        ValueCodec::Q4 => (16, 0.3352),
+        _ => unreachable!("not a quantized codec"),
+    }
+}
+
+/// Quantize values to a codec: the packed bytes and what the receiver will decode from them
+/// (the sender subtracts the latter from its error feedback).
+pub fn quantize_values(codec: ValueCodec, vals: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    if !codec.is_quantized() {
+        let bytes = pack_values(codec, vals);
+        let back = unpack_values(codec, &bytes, vals.len());
+        return (bytes, back);
+    }
+    let (levels, kappa) = quant_levels(codec);
+    let ms = vals.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / vals.len().max(1) as f64;
+    let mut step = (ms.sqrt() as f32) * kappa;
+    if !step.is_finite() || step <= 0.0 {
+        step = 0.0;
+    }
+    let mid = (levels - 1) as f32 / 2.0;
+    let codes: Vec<u32> = vals
+        .iter()
+        .map(|&v| {
+            if step == 0.0 {
+                return levels / 2;
+            }
+            (v / step + mid).round().clamp(0.0, (levels - 1) as f32) as u32
+        })
+        .collect();
+    let mut bytes = step.to_le_bytes().to_vec();
+    bytes.extend(pack_bits(&codes, codec.bits()));
+    let back = unpack_values(codec, &bytes, vals.len());
+    (bytes, back)
+}
+
+/// Pack f32 values in a codec (sign: positive or zero → bit set; quantized: see
+/// [`quantize_values`]).
 pub fn pack_values(codec: ValueCodec, vals: &[f32]) -> Vec<u8> {
     match codec {
         ValueCodec::Sign => {
@@ -295,10 +344,12 @@ pub fn pack_values(codec: ValueCodec, vals: &[f32]) -> Vec<u8> {
             .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
             .collect(),
         ValueCodec::F32 => vals.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+        ValueCodec::Q2 | ValueCodec::Q4 => quantize_values(codec, vals).0,
     }
 }
 
-/// Unpack `n` values (sign bits decode as ±1).
+/// Unpack `n` values (sign bits decode as ±1; quantized codes as `(c − mid)·step`, one f32
+/// multiply each, so every node decodes the same floats).
 pub fn unpack_values(codec: ValueCodec, bytes: &[u8], n: usize) -> Vec<f32> {
     match codec {
         ValueCodec::Sign => unpack_bits(bytes, 1, n)
@@ -313,6 +364,15 @@ pub fn unpack_values(codec: ValueCodec, bytes: &[u8], n: usize) -> Vec<f32> {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
+        ValueCodec::Q2 | ValueCodec::Q4 => {
+            let (levels, _) = quant_levels(codec);
+            let mid = (levels - 1) as f32 / 2.0;
+            let step = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            unpack_bits(&bytes[4..], codec.bits(), n)
+                .into_iter()
+                .map(|c| (c as f32 - mid) * step)
+                .collect()
+        }
     }
 }
 
@@ -326,10 +386,23 @@ impl TensorUpdate {
         idx: &[u32],
         vals: &[f32],
     ) -> TensorUpdate {
+        Self::from_entries_dequantized(t, k, codec, idx, vals).0
+    }
+
+    /// [`TensorUpdate::from_entries`], also returning the values a receiver will decode, in
+    /// the order of `vals` (what a sender with error feedback subtracts from its buffer).
+    pub fn from_entries_dequantized(
+        t: &TensorLayout,
+        k: usize,
+        codec: ValueCodec,
+        idx: &[u32],
+        vals: &[f32],
+    ) -> (TensorUpdate, Vec<f32>) {
         assert_eq!(idx.len(), t.blocks() * k);
         assert_eq!(vals.len(), idx.len());
         let mut si = Vec::with_capacity(idx.len());
         let mut sv = Vec::with_capacity(idx.len());
+        let mut pos = Vec::with_capacity(idx.len());
         let mut order: Vec<usize> = Vec::with_capacity(k);
         for b in 0..t.blocks() {
             order.clear();
@@ -338,15 +411,24 @@ impl TensorUpdate {
             for &i in &order {
                 si.push(idx[i]);
                 sv.push(vals[i]);
+                pos.push(i);
             }
         }
-        TensorUpdate {
-            shape: t.shape.clone(),
-            chunk: [t.h as u32, t.w as u32],
-            k: k as u32,
-            indices: pack_bits(&si, index_bits(t.block_elems())),
-            values: pack_values(codec, &sv),
+        let (values, back) = quantize_values(codec, &sv);
+        let mut deq = vec![0f32; vals.len()];
+        for (j, &i) in pos.iter().enumerate() {
+            deq[i] = back[j];
         }
+        (
+            TensorUpdate {
+                shape: t.shape.clone(),
+                chunk: [t.h as u32, t.w as u32],
+                k: k as u32,
+                indices: pack_bits(&si, index_bits(t.block_elems())),
+                values,
+            },
+            deq,
+        )
     }
 
     /// Indices and values, block-major (call only on a validated update).
@@ -458,7 +540,7 @@ impl SparseUpdate {
                 });
             }
             if !padding_zero(&u.indices, n * bits as usize)
-                || !padding_zero(&u.values, n * codec.bits() as usize)
+                || !padding_zero(&u.values, values_used_bits(codec, n))
             {
                 return Err(SparseError::NonZeroPadding { tensor: ti });
             }
@@ -490,6 +572,13 @@ impl SparseUpdate {
             // An exponent of all ones is ±inf or NaN, in f32 and bf16 alike.
             let bad = match codec {
                 ValueCodec::Sign => None,
+                // The scale: finite and not negative (a negative step would flip every value,
+                // and −0.0 would give one content two encodings).
+                ValueCodec::Q2 | ValueCodec::Q4 => {
+                    let s =
+                        u32::from_le_bytes([u.values[0], u.values[1], u.values[2], u.values[3]]);
+                    (s & 0x7f80_0000 == 0x7f80_0000 || s >> 31 == 1).then_some(0)
+                }
                 ValueCodec::Bf16 => u
                     .values
                     .chunks_exact(2)
@@ -691,6 +780,107 @@ mod tests {
         assert!(matches!(
             u.validate(&l, 4, ValueCodec::Sign),
             Err(SparseError::CodecMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn quantized_values_round_trip_and_validate() {
+        let vals = [0.9f32, -0.1, 2.5, -3.0, 0.0, 0.4, -0.6];
+        for (codec, levels) in [(ValueCodec::Q2, 4u32), (ValueCodec::Q4, 16)] {
+            let (bytes, back) = quantize_values(codec, &vals);
+            assert_eq!(bytes.len(), values_len(codec, vals.len()));
+            assert_eq!(
+                bytes.len(),
+                4 + (vals.len() * codec.bits() as usize).div_ceil(8)
+            );
+            assert_eq!(unpack_values(codec, &bytes, vals.len()), back);
+            let step = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            assert!(step > 0.0);
+            let mid = (levels - 1) as f32 / 2.0;
+            for (&v, &b) in vals.iter().zip(&back) {
+                // A level of the grid, the nearest one unless v lies beyond the outermost.
+                let c = b / step + mid;
+                assert!((c - c.round()).abs() < 1e-5 && (0.0..levels as f32).contains(&c));
+                if v.abs() <= mid * step {
+                    assert!((v - b).abs() <= 0.5 * step + 1e-6, "{codec:?} {v} -> {b}");
+                }
+                if v != 0.0 {
+                    assert_eq!(
+                        v > 0.0,
+                        b > 0.0,
+                        "{codec:?}: the sign survives ({v} -> {b})"
+                    );
+                }
+            }
+            // More bits, closer values.
+        }
+        let e = |c| {
+            let (_, b) = quantize_values(c, &vals);
+            vals.iter()
+                .zip(&b)
+                .map(|(v, b)| (v - b).powi(2))
+                .sum::<f32>()
+        };
+        assert!(e(ValueCodec::Q4) < e(ValueCodec::Q2));
+
+        // On the wire: a good update validates; a negative, infinite or NaN scale and
+        // non-zero padding are each refused before anything is decoded.
+        let l = layout();
+        let tensors: Vec<TensorUpdate> = l
+            .tensors
+            .iter()
+            .map(|t| {
+                let k = t.k_eff(4);
+                let idx: Vec<u32> = (0..t.blocks())
+                    .flat_map(|b| {
+                        (0..k as u32).map(move |i| (i * 7 + b as u32) % t.block_elems() as u32)
+                    })
+                    .collect();
+                let v: Vec<f32> = (0..idx.len()).map(|i| i as f32 - 3.3).collect();
+                TensorUpdate::from_entries(t, k, ValueCodec::Q2, &idx, &v)
+            })
+            .collect();
+        let u = SparseUpdate {
+            codec: ValueCodec::Q2,
+            tensors,
+        };
+        u.validate(&l, 4, ValueCodec::Q2).unwrap();
+        assert_eq!(u.encode().len(), encoded_size(&l, 4, ValueCodec::Q2));
+        for scale in [-1.0f32, f32::INFINITY, f32::NAN, -0.0] {
+            let mut bad = u.clone();
+            bad.tensors[1].values[..4].copy_from_slice(&scale.to_le_bytes());
+            assert!(
+                matches!(
+                    bad.validate(&l, 4, ValueCodec::Q2),
+                    Err(SparseError::NonFinite { tensor: 1, .. })
+                ),
+                "scale {scale}"
+            );
+        }
+        // Tensor b: 4 values of 2 bits fill one byte exactly; tensor a: 8 blocks·4 = 32 values.
+        let mut bad = u.clone();
+        bad.tensors[0].values.push(0);
+        assert!(matches!(
+            bad.validate(&l, 4, ValueCodec::Q2),
+            Err(SparseError::LengthMismatch { .. })
+        ));
+        let l3 = Layout::from_shapes(&[("c".into(), vec![3])], 64);
+        let t3 = &l3.tensors[0];
+        let mut odd = SparseUpdate {
+            codec: ValueCodec::Q2,
+            tensors: vec![TensorUpdate::from_entries(
+                t3,
+                3,
+                ValueCodec::Q2,
+                &[0, 1, 2],
+                &[1.0, -1.0, 0.5],
+            )],
+        };
+        odd.validate(&l3, 3, ValueCodec::Q2).unwrap();
+        *odd.tensors[0].values.last_mut().unwrap() |= 0x80;
+        assert!(matches!(
+            odd.validate(&l3, 3, ValueCodec::Q2),
+            Err(SparseError::NonZeroPadding { .. })
         ));
     }
 

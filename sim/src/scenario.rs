@@ -110,6 +110,8 @@ pub struct Optim {
     /// Delay compensation while a step is in flight (`off`, `momentum`, `update`; the `tiny`
     /// trainer).
     pub lookahead: protocol::config::Lookahead,
+    /// Local steps in place of DeMo (the `tiny` trainer; the synthetic trainer ignores it).
+    pub local: Option<protocol::config::LocalSteps>,
 }
 
 impl Default for Optim {
@@ -128,6 +130,7 @@ impl Default for Optim {
             grad_clip: 0.0,
             weight_decay: 0.0,
             lookahead: protocol::config::Lookahead::Off,
+            local: None,
         }
     }
 }
@@ -151,6 +154,7 @@ impl Optim {
             grad_clip: self.grad_clip,
             combine: self.combine,
             lookahead: self.lookahead,
+            local: self.local.clone(),
         }
     }
 }

@@ -274,9 +274,11 @@ impl Trainer for Tiny {
     }
 
     /// `train::run::train` with AdamW on the exact mean gradient of `nodes` replicas, the same
-    /// model, seed, batch and schedule; its eval loss after every step.
+    /// model, seed, batch and schedule; its eval loss after every step (for local steps, after
+    /// every H batches: equal tokens).
     fn baseline(&mut self, steps: u64, nodes: usize) -> Result<Vec<f64>, SimError> {
-        let steps32 = u32::try_from(steps)
+        let hh = self.run.optim.inner_steps() as u64;
+        let steps32 = u32::try_from(steps * hh)
             .map_err(|_| SimError::Scenario(format!("{steps} steps: too many for the baseline")))?;
         let opts = TrainOptions {
             model: self.run.model.clone(),
@@ -285,7 +287,12 @@ impl Trainer for Tiny {
             steps: steps32,
             batch: self.step.batch,
             seed: self.run.seed,
-            optim: self.run.optim.clone(),
+            // Local steps count warm-up in windows; AdamW in batches.
+            optim: protocol::config::OptimConfig {
+                warmup_steps: self.run.optim.warmup_steps * hh as u32,
+                local: None,
+                ..self.run.optim.clone()
+            },
             adamw_lr: self.adamw_lr,
             adamw_wd: self.adamw_wd,
             eval_every: 1,
@@ -297,6 +304,8 @@ impl Trainer for Tiny {
         Ok(report
             .steps
             .iter()
+            .skip(hh as usize - 1)
+            .step_by(hh as usize)
             .map(|r| r.eval_loss.unwrap_or(f64::NAN))
             .collect())
     }

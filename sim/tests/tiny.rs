@@ -97,20 +97,60 @@ fn tiny_matches_train_run_overlapped() {
     }
 }
 
+/// Local steps too: windows of H AdamW steps, error-fed q2 pseudo-gradients, the exact outer
+/// step, and (overlapped) each node starting from its own in-flight window.
+#[test]
+fn tiny_matches_train_run_local() {
+    use protocol::config::Lookahead;
+    for (schedule, dct) in [
+        (train::run::Schedule::Sync, false),
+        (train::run::Schedule::Overlap, false),
+        (train::run::Schedule::Overlap, true),
+    ] {
+        let local = protocol::config::LocalSteps {
+            inner_steps: 2,
+            dct,
+            ..Default::default()
+        };
+        matches_train_run_with(schedule, Lookahead::Off, Some(local));
+    }
+}
+
 fn matches_train_run(schedule: train::run::Schedule, lookahead: protocol::config::Lookahead) {
+    matches_train_run_with(schedule, lookahead, None)
+}
+
+fn matches_train_run_with(
+    schedule: train::run::Schedule,
+    lookahead: protocol::config::Lookahead,
+    local: Option<protocol::config::LocalSteps>,
+) {
     let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
     let sc = scenario();
+    // Protocol steps (windows for local steps) and batches per replica.
+    let hh = local.as_ref().map_or(1, |l| l.inner_steps);
     let (replicas, steps) = (2usize, 4u32);
     let mut optim = sc.optim.config(steps as u64);
     // `train::run::train` runs its cosine over its own step count.
     optim.total_steps = steps;
     optim.lookahead = lookahead;
+    if local.is_some() {
+        optim.local = local.clone();
+        optim.topk = 32;
+        optim.values = protocol::config::ValueCodec::Q2;
+        optim.combine = protocol::config::Combine::Share;
+        optim.lr = 3e-3;
+    }
     let model = protocol::config::ModelConfig::named("tiny", 64).unwrap();
     let opts = train::run::TrainOptions {
         model: model.clone(),
-        optimizer: train::run::Optimizer::Demo,
+        optimizer: if local.is_some() {
+            train::run::Optimizer::Local
+        } else {
+            train::run::Optimizer::Demo
+        },
         replicas,
-        steps,
+        steps: steps * hh,
         batch: 2,
         seed: 5,
         optim: optim.clone(),
@@ -127,6 +167,7 @@ fn matches_train_run(schedule: train::run::Schedule, lookahead: protocol::config
     })
     .unwrap();
     let (_, report) = train::run::train(&opts, &corpus, train::tch::Device::Cpu, |_| {}).unwrap();
+    assert_eq!(report.steps.len(), steps as usize);
 
     let mut run = protocol::run::RunConfig::new(
         "t",
@@ -140,6 +181,8 @@ fn matches_train_run(schedule: train::run::Schedule, lookahead: protocol::config
             summary_ms: 700,
         },
     );
+    // `swarm train` counts warm-up in batches; a run file counts it in windows.
+    run.optim.warmup_steps = opts.optim.warmup_steps.div_ceil(hh);
     run.seed = 5;
     run.batch_seqs = 2;
     let mut t = sim::tiny::Tiny::new(&run, &sc).unwrap();
@@ -172,6 +215,6 @@ fn matches_train_run(schedule: train::run::Schedule, lookahead: protocol::config
     assert_eq!(
         t.digest(&p).to_hex(),
         report.final_digest,
-        "{schedule:?} look-ahead {lookahead:?}"
+        "{schedule:?} look-ahead {lookahead:?} local {local:?}"
     );
 }

@@ -159,6 +159,206 @@ impl DctCodec {
         }
     }
 
+    /// Local steps' encode: per chunk, the top-k of `bufs` (the error-feedback buffers, one
+    /// per layout entry) by magnitude, of the DCT coefficients when `dct` or of the raw values;
+    /// values in `codec`; what the receivers will decode (the dequantized values) is
+    /// subtracted from the buffers in place, so the quantization error is fed back too.
+    pub fn encode_local(
+        &self,
+        bufs: &mut [Tensor],
+        k: u32,
+        codec: ValueCodec,
+        dct: bool,
+    ) -> SparseUpdate {
+        let mut out: Vec<Option<TensorUpdate>> = vec![None; self.layout.tensors.len()];
+        tch::no_grad(|| {
+            for g in &self.groups {
+                let (h, w) = (g.h as i64, g.w as i64);
+                let blocks: Vec<Tensor> = g
+                    .tensors
+                    .iter()
+                    .map(|&i| to_blocks(&bufs[i], &self.layout.tensors[i]))
+                    .collect();
+                let x = Tensor::cat(&blocks, 0);
+                let nb = x.size()[0];
+                let flat = if dct {
+                    Self::forward(g, &x).reshape([nb, h * w])
+                } else {
+                    x.reshape([nb, h * w])
+                };
+                let ke = (k as i64).min(h * w);
+                let (_, idx) = flat.abs().topk(ke, 1, true, false);
+                let vals = flat.gather(1, &idx, false);
+                let idx_cpu = idx.to_device(Device::Cpu).to_kind(Kind::Int64);
+                let val_cpu = vals.to_device(Device::Cpu).to_kind(Kind::Float);
+                let mut deq_all: Vec<f32> = Vec::with_capacity((nb * ke) as usize);
+                let mut start = 0i64;
+                for &ti in &g.tensors {
+                    let l = &self.layout.tensors[ti];
+                    let cnt = l.blocks() as i64;
+                    let n = (cnt * ke) as usize;
+                    let mut iv = vec![0i64; n];
+                    idx_cpu
+                        .narrow(0, start, cnt)
+                        .reshape([-1])
+                        .copy_data(&mut iv, n);
+                    let mut vv = vec![0f32; n];
+                    val_cpu
+                        .narrow(0, start, cnt)
+                        .reshape([-1])
+                        .copy_data(&mut vv, n);
+                    let iu: Vec<u32> = iv.into_iter().map(|x| x as u32).collect();
+                    let (tu, deq) =
+                        TensorUpdate::from_entries_dequantized(l, ke as usize, codec, &iu, &vv);
+                    out[ti] = Some(tu);
+                    deq_all.extend(deq);
+                    start += cnt;
+                }
+                let deq = Tensor::from_slice(&deq_all)
+                    .view([nb, ke])
+                    .to_device(x.device());
+                let dec = if dct {
+                    Self::sparse_inverse(&g.fht, &g.fwt, &idx, &deq, h, w)
+                } else {
+                    Tensor::zeros([nb, h * w], (Kind::Float, x.device()))
+                        .scatter(1, &idx, &deq)
+                        .view([nb, h, w])
+                };
+                let mut start = 0i64;
+                for &ti in &g.tensors {
+                    let l = &self.layout.tensors[ti];
+                    let cnt = l.blocks() as i64;
+                    let _ = bufs[ti].g_sub_(&from_blocks(&dec.narrow(0, start, cnt), l));
+                    start += cnt;
+                }
+            }
+        });
+        SparseUpdate {
+            codec,
+            tensors: out
+                .into_iter()
+                .map(|t| t.expect("every tensor is in a group"))
+                .collect(),
+        }
+    }
+
+    /// The combined values themselves (local steps' outer step), decoded exactly: f32 tensors
+    /// bit-identical on every device, thread count and arrival order.
+    ///
+    /// Without the DCT each aggregated value (an f64 computed in a canonical order by
+    /// `protocol::sparse::aggregate_round`) is rounded once to f32 in Rust and scattered into
+    /// zeros: no arithmetic happens on the device but adding exact zeros. With the DCT each
+    /// block is quantized to integers `Yq = Y·2^s` (`|Yq| ≤ 2^A`), decoded with the integer
+    /// basis `Fq = F·2^B` so every partial sum is an exact integer below 2^52 (the bound of
+    /// `protocol::sparse::exact`), then scaled by `2^-(s + 2B)` (a power of two: exact) and
+    /// rounded once to f32. The only departures from the float decode are the rounding of Y
+    /// at 2^-A of its block maximum and of F at 2^-B.
+    pub fn exact_values(&self, agg: &Aggregate, dct: bool) -> Vec<Tensor> {
+        let mut out: Vec<Option<Tensor>> = (0..self.layout.tensors.len()).map(|_| None).collect();
+        tch::no_grad(|| {
+            for g in &self.groups {
+                let (h, w) = (g.h as i64, g.w as i64);
+                let (idx, val, nb, m, shifts) = self.gather_group_scaled(g, agg, dct);
+                let idx = Tensor::from_slice(&idx)
+                    .view([nb as i64, m as i64])
+                    .to_device(self.device);
+                let all = if dct {
+                    let val = Tensor::from_slice(&val)
+                        .view([nb as i64, m as i64])
+                        .to_device(self.device);
+                    let b = protocol::sparse::BASIS_BITS as i32;
+                    let s1: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s / 2 + b))).collect();
+                    let s2: Vec<f64> = shifts
+                        .iter()
+                        .map(|&s| 2f64.powi(-(s - s / 2 + b)))
+                        .collect();
+                    let s1 = Tensor::from_slice(&s1)
+                        .view([nb as i64, 1, 1])
+                        .to_device(self.device);
+                    let s2 = Tensor::from_slice(&s2)
+                        .view([nb as i64, 1, 1])
+                        .to_device(self.device);
+                    let parts: Vec<Tensor> = Self::slices(nb, m, g.h, g.w)
+                        .into_iter()
+                        .map(|(s, n)| {
+                            let (s, n) = (s as i64, n as i64);
+                            let d = Self::sparse_inverse(
+                                &g.fhqt,
+                                &g.fwqt,
+                                &idx.narrow(0, s, n),
+                                &val.narrow(0, s, n),
+                                h,
+                                w,
+                            );
+                            (d * s1.narrow(0, s, n) * s2.narrow(0, s, n)).to_kind(Kind::Float)
+                        })
+                        .collect();
+                    Tensor::cat(&parts, 0)
+                } else {
+                    let v32: Vec<f32> = val.iter().map(|&x| x as f32).collect();
+                    let val = Tensor::from_slice(&v32)
+                        .view([nb as i64, m as i64])
+                        .to_device(self.device);
+                    // Padding entries (index 0, value 0) add an exact zero.
+                    Tensor::zeros([nb as i64, h * w], (Kind::Float, self.device))
+                        .scatter_add(1, &idx, &val)
+                        .view([nb as i64, h, w])
+                };
+                let mut start = 0i64;
+                for &ti in &g.tensors {
+                    let l = &self.layout.tensors[ti];
+                    let n = l.blocks() as i64;
+                    out[ti] = Some(from_blocks(&all.narrow(0, start, n), l));
+                    start += n;
+                }
+            }
+        });
+        out.into_iter().map(|t| t.unwrap()).collect()
+    }
+
+    /// [`Self::gather_group`], also returning each block's power-of-two shift (with
+    /// `quantize`; zeros otherwise).
+    fn gather_group_scaled(
+        &self,
+        g: &Group,
+        agg: &Aggregate,
+        quantize: bool,
+    ) -> (Vec<i64>, Vec<f64>, usize, usize, Vec<i32>) {
+        let m = g
+            .tensors
+            .iter()
+            .map(|&ti| agg.tensors[ti].max_nnz())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let nb: usize = g
+            .tensors
+            .iter()
+            .map(|&ti| self.layout.tensors[ti].blocks())
+            .sum();
+        let mut idx = vec![0i64; nb * m];
+        let mut val = vec![0f64; nb * m];
+        let mut shifts = vec![0i32; nb];
+        let mut row = 0;
+        for &ti in &g.tensors {
+            let t = &agg.tensors[ti];
+            let (q, sh) = if quantize {
+                sparse::quantize_blocks_scaled(t, g.h, g.w)
+            } else {
+                (t.mean.clone(), vec![0; t.offsets.len() - 1])
+            };
+            for b in 0..t.offsets.len() - 1 {
+                for (j, e) in (t.offsets[b] as usize..t.offsets[b + 1] as usize).enumerate() {
+                    idx[row * m + j] = t.index[e] as i64;
+                    val[row * m + j] = q[e];
+                }
+                shifts[row] = sh[b];
+                row += 1;
+            }
+        }
+        (idx, val, nb, m, shifts)
+    }
+
     /// `Σ_j v_j · Fh[:, b_j] ⊗ Fw[:, d_j]` per block, for flat indices `i = b·w + d`
     /// (`idx`, `vals`: `[blocks, m]`). With integer operands every partial sum is an integer
     /// bounded as in `protocol::sparse::exact`, so the f64 result is exact in any order.
@@ -199,36 +399,7 @@ impl DctCodec {
         agg: &Aggregate,
         quantize: bool,
     ) -> (Vec<i64>, Vec<f64>, usize, usize) {
-        let m = g
-            .tensors
-            .iter()
-            .map(|&ti| agg.tensors[ti].max_nnz())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let nb: usize = g
-            .tensors
-            .iter()
-            .map(|&ti| self.layout.tensors[ti].blocks())
-            .sum();
-        let mut idx = vec![0i64; nb * m];
-        let mut val = vec![0f64; nb * m];
-        let mut row = 0;
-        for &ti in &g.tensors {
-            let t = &agg.tensors[ti];
-            let q = if quantize {
-                sparse::quantize_blocks(t, g.h, g.w)
-            } else {
-                t.mean.clone()
-            };
-            for b in 0..t.offsets.len() - 1 {
-                for (j, e) in (t.offsets[b] as usize..t.offsets[b + 1] as usize).enumerate() {
-                    idx[row * m + j] = t.index[e] as i64;
-                    val[row * m + j] = q[e];
-                }
-                row += 1;
-            }
-        }
+        let (idx, val, nb, m, _) = self.gather_group_scaled(g, agg, quantize);
         (idx, val, nb, m)
     }
 

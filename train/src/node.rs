@@ -16,12 +16,22 @@
 //! [`Lookahead`] on, the node first moves its weights by `−lr(t−1)·ŝ`, where the pending step
 //! will probably land, takes the gradient there and copies the weights back bit for bit. What
 //! it sends and what everyone applies are unchanged.
+//!
+//! # Local steps
+//! With `optim.local` (see [`protocol::config::LocalSteps`]) one protocol step is a window of
+//! H inner AdamW steps on the node's own batches `t·H … t·H + H − 1`. The model's parameters
+//! stay the *shared* parameters (what every node applies and the digest names); the node
+//! trains a window on a copy placed at the shared parameters plus its own progress of the
+//! previous window when that window is still in flight (eager / delayed averaging), and puts
+//! the shared parameters back bit for bit. So a node never waits for the network and never
+//! loses its own last window, while the others' windows reach it one window late.
 
-use protocol::config::{Lookahead, ModelConfig, OptimConfig};
+use protocol::config::{lr_at, LocalSteps, Lookahead, ModelConfig, OptimConfig};
 use protocol::run::RunConfig;
 use protocol::sparse::{self, Layout, SparseUpdate};
 use tch::{Device, Tensor};
 
+use crate::adamw::AdamW;
 use crate::data::Corpus;
 use crate::demo::{apply_sign_step, DctCodec, DemoState};
 use crate::model::Llama;
@@ -46,6 +56,8 @@ pub struct NodeState {
     /// The look-ahead direction for the step after the one it was computed in:
     /// `(step, ŝ)` with ŝ ∈ {−1, 0, 1} per weight.
     ahead: Option<(u64, Vec<Tensor>)>,
+    /// Local steps' state (made on the first window).
+    local: Option<LocalState>,
 }
 
 impl NodeState {
@@ -53,6 +65,31 @@ impl NodeState {
         NodeState {
             demo: DemoState::new(params),
             ahead: None,
+            local: None,
+        }
+    }
+}
+
+/// One node's local-steps state: never sent, never digested.
+struct LocalState {
+    /// The inner optimizer, kept across windows.
+    adam: AdamW,
+    /// Error feedback: what the node has not yet sent of its pseudo-gradients.
+    ef: Vec<Tensor>,
+    /// `(window, end − start)`: the node's own uncompressed progress over its last window,
+    /// which it keeps while that window is in flight.
+    own: Option<(u64, Vec<Tensor>)>,
+}
+
+impl LocalState {
+    fn new(params: &[Tensor], o: &OptimConfig, l: &LocalSteps) -> LocalState {
+        let mut adam = AdamW::new(params, o.weight_decay);
+        adam.beta1 = l.adam_beta1;
+        adam.beta2 = l.adam_beta2;
+        LocalState {
+            adam,
+            ef: params.iter().map(|p| p.detach().zeros_like()).collect(),
+            own: None,
         }
     }
 }
@@ -109,19 +146,33 @@ impl NodeStep {
         self.model.seq_len as usize
     }
 
-    /// Tokens of one node's nominal step: the weight cap of `Combine::Share`.
-    pub fn nominal_tokens(&self) -> u64 {
-        (self.nominal * self.seq()) as u64
+    /// Inner steps per protocol step (H; 1 for DeMo).
+    pub fn inner_steps(&self) -> u64 {
+        self.optim.inner_steps() as u64
     }
 
-    /// The learning rate at `step` (warm-up, then cosine to `lr·min_lr_ratio`).
+    /// Tokens of one node's nominal step (a window of H batches for local steps): the weight
+    /// cap of `Combine::Share`.
+    pub fn nominal_tokens(&self) -> u64 {
+        (self.nominal * self.seq()) as u64 * self.inner_steps()
+    }
+
+    /// The learning rate at `step` (warm-up, then cosine to `lr·min_lr_ratio`); for local
+    /// steps the inner rate at the window's first inner step.
     pub fn lr(&self, step: u64) -> f64 {
+        self.inner_lr(step * self.inner_steps())
+    }
+
+    /// The rate at inner step `i` (= the protocol step for DeMo): the schedule's warm-up and
+    /// length, counted in protocol steps, stretched by H.
+    fn inner_lr(&self, i: u64) -> f64 {
         let o = &self.optim;
-        protocol::config::lr_at(
-            step.min(u32::MAX as u64) as u32,
+        let hh = o.inner_steps();
+        lr_at(
+            i.min(u32::MAX as u64) as u32,
             o.lr,
-            o.warmup_steps,
-            o.total_steps,
+            o.warmup_steps.saturating_mul(hh),
+            o.total_steps.saturating_mul(hh),
             o.min_lr_ratio,
         )
     }
@@ -139,6 +190,9 @@ impl NodeStep {
         step: u64,
         version: u64,
     ) -> Trained {
+        if let Some(l) = &self.optim.local {
+            return self.train_local(l, corpus, model, state, who, step, version);
+        }
         let t0 = std::time::Instant::now();
         let seq = self.seq();
         let (x, y) = corpus.batch(
@@ -197,6 +251,86 @@ impl NodeStep {
         }
     }
 
+    /// A window of local steps (see the module docs); leaves the weights bit-identical.
+    #[allow(clippy::too_many_arguments)]
+    fn train_local(
+        &self,
+        l: &LocalSteps,
+        corpus: &Corpus,
+        model: &Llama,
+        state: &mut NodeState,
+        who: &[u8],
+        step: u64,
+        version: u64,
+    ) -> Trained {
+        let t0 = std::time::Instant::now();
+        let seq = self.seq();
+        let hh = self.inner_steps();
+        let o = &self.optim;
+        let ls = state
+            .local
+            .get_or_insert_with(|| LocalState::new(&model.params, o, l));
+        let saved: Vec<Tensor> = model.params.iter().map(|p| p.detach().copy()).collect();
+        // Start where this node's own last window ended while that window is in flight.
+        tch::no_grad(|| {
+            if let Some((s, own)) = &ls.own {
+                if version < step && *s + 1 == step {
+                    for (p, d) in model.params.iter().zip(own) {
+                        let _ = p.shallow_clone().g_add_(d);
+                    }
+                }
+            }
+        });
+        let start: Vec<Tensor> = model.params.iter().map(|p| p.detach().copy()).collect();
+        let mut loss_sum = 0.0;
+        let mut norm_sum = 0.0;
+        for i in 0..hh {
+            let inner = step * hh + i;
+            let (x, y) = corpus.batch(
+                "train",
+                self.seed,
+                who,
+                inner,
+                self.batch,
+                seq,
+                model.device(),
+            );
+            model.zero_grad();
+            let loss = model.loss(&x, &y);
+            loss.backward();
+            loss_sum += loss.double_value(&[]);
+            let mut grads = model.grads();
+            norm_sum += crate::run::clip(&mut grads, o.grad_clip);
+            ls.adam.step(&model.params, &grads, self.inner_lr(inner));
+        }
+        let t_fwd_bwd = t0.elapsed().as_secs_f64();
+        let t1 = std::time::Instant::now();
+        let own = tch::no_grad(|| {
+            let mut own = Vec::with_capacity(start.len());
+            for ((p, s0), e) in model.params.iter().zip(&start).zip(ls.ef.iter_mut()) {
+                let progress = p.detach() - s0;
+                // The pseudo-gradient is start − end = −progress.
+                let _ = e.g_mul_scalar_(l.ef_decay);
+                let _ = e.g_sub_(&progress);
+                own.push(progress);
+            }
+            for (p, s) in model.params.iter().zip(&saved) {
+                p.shallow_clone().copy_(s);
+            }
+            own
+        });
+        ls.own = Some((step, own));
+        let update = self.codec.encode_local(&mut ls.ef, o.topk, o.values, l.dct);
+        Trained {
+            update,
+            tokens: (self.batch * seq) as u64 * hh,
+            loss: loss_sum / hh as f64,
+            grad_norm: norm_sum / hh as f64,
+            t_fwd_bwd,
+            t_compress: t1.elapsed().as_secs_f64(),
+        }
+    }
+
     /// The exact sign of the round's combined updates (each with the tokens its header
     /// states), before the step is taken.
     fn round_signs(&self, updates: &[(&SparseUpdate, u64)]) -> Vec<Tensor> {
@@ -212,8 +346,21 @@ impl NodeStep {
     /// Apply round `step`: the included updates combined as the run says, decoded exactly and
     /// taken as one sign step on `params`. Bit-identical on every device for the same set, in
     /// any order. An empty set changes nothing.
+    ///
+    /// Local steps: the combined pseudo-gradients, decoded exactly, times the outer rate.
     pub fn apply(&self, params: &[Tensor], step: u64, updates: &[(&SparseUpdate, u64)]) {
         if updates.is_empty() {
+            return;
+        }
+        if let Some(l) = &self.optim.local {
+            let agg = sparse::aggregate_round(
+                self.layout(),
+                self.optim.combine,
+                self.nominal_tokens(),
+                updates,
+            );
+            let values = self.codec.exact_values(&agg, l.dct);
+            apply_sign_step(params, &values, l.outer_lr, 0.0);
             return;
         }
         let signs = self.round_signs(updates);
@@ -235,8 +382,18 @@ impl NodeStep {
         tokens: u64,
     ) -> f64 {
         let seq = self.seq();
-        let seqs = ((tokens as usize) / seq.max(1)).clamp(1, self.nominal.max(1));
-        let (x, y) = corpus.batch("train", self.seed, sender, step, seqs, seq, model.device());
+        let hh = self.inner_steps();
+        let seqs = ((tokens / hh) as usize / seq.max(1)).clamp(1, self.nominal.max(1));
+        // Local steps: the window's last batch (the one its end parameters fit best).
+        let (x, y) = corpus.batch(
+            "train",
+            self.seed,
+            sender,
+            step * hh + hh - 1,
+            seqs,
+            seq,
+            model.device(),
+        );
         let _guard = tch::no_grad_guard();
         let before = model.loss(&x, &y).double_value(&[]);
         let saved: Vec<Tensor> = model.params.iter().map(|p| p.copy()).collect();

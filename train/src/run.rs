@@ -28,6 +28,8 @@ use tch::{Device, Tensor};
 pub enum Optimizer {
     Demo,
     Adamw,
+    /// Local steps (`optim.local`): windows of H inner AdamW steps, compressed pseudo-gradients.
+    Local,
 }
 
 /// When a step's result reaches the parameters the next step trains on.
@@ -57,6 +59,7 @@ pub struct TrainOptions {
     pub model: ModelConfig,
     pub optimizer: Optimizer,
     pub replicas: usize,
+    /// Batches each replica trains (for local steps, `steps / H` windows of H).
     pub steps: u32,
     /// Sequences per replica per step.
     pub batch: usize,
@@ -74,6 +77,8 @@ pub struct TrainOptions {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StepRecord {
+    /// The last batch this record covers, counted per replica from 0 (a local-steps window
+    /// covers H of them), so runs of every optimizer line up at equal tokens.
     pub step: u32,
     pub lr: f64,
     /// Mean train loss over replicas.
@@ -124,7 +129,8 @@ pub fn eval_loss(model: &Llama, corpus: &Corpus, seed: u64, batches: usize, batc
     })
 }
 
-fn clip(grads: &mut [Tensor], max: f64) -> f64 {
+/// Clip gradients to `max` global L2 norm (0 = off); returns the norm before clipping.
+pub fn clip(grads: &mut [Tensor], max: f64) -> f64 {
     let n = grad_norm(grads);
     if max > 0.0 && n > max {
         let s = max / n;
@@ -166,11 +172,24 @@ pub fn train(
     let seq = opts.model.seq_len as usize;
     let n = opts.replicas;
     let overlap = opts.schedule == Schedule::Overlap;
-    // The cosine ends at this run's last step.
-    let o = OptimConfig {
-        total_steps: opts.steps,
-        ..opts.optim.clone()
-    };
+    let mut o = opts.optim.clone();
+    if opts.optimizer == Optimizer::Local {
+        o.local.get_or_insert_with(Default::default);
+    } else {
+        o.local = None;
+    }
+    // Batches per protocol step, and protocol steps in the run.
+    let hh = o.inner_steps();
+    let steps = opts.steps / hh;
+    if steps == 0 {
+        return Err(TrainError::Config(format!(
+            "{} steps is less than one window of {hh} local steps",
+            opts.steps
+        )));
+    }
+    // The cosine ends at this run's last step (warm-up and length count windows).
+    o.total_steps = steps;
+    o.warmup_steps = o.warmup_steps.div_ceil(hh);
     let mut records = Vec::with_capacity(opts.steps as usize);
     let mut update_bytes = None;
 
@@ -188,7 +207,7 @@ pub fn train(
         },
     }
     let mut opt = match opts.optimizer {
-        Optimizer::Demo => Opt::Demo {
+        Optimizer::Demo | Optimizer::Local => Opt::Demo {
             node: NodeStep::new(&opts.model, &o, opts.seed, opts.batch, device),
             states: (0..n).map(|_| NodeState::new(&model.params)).collect(),
             pending: None,
@@ -201,10 +220,10 @@ pub fn train(
     let ids: Vec<Vec<u8>> = (0..n).map(replica_id).collect();
     // Steps applied to the parameters.
     let mut version = 0u64;
-    for step in 0..opts.steps {
-        let last = step + 1 == opts.steps;
+    for step in 0..steps {
+        let last = step + 1 == steps;
         let mut rec = StepRecord {
-            step,
+            step: step * hh + hh - 1,
             ..Default::default()
         };
         match &mut opt {
@@ -301,7 +320,11 @@ pub fn train(
                 rec.bytes_received = b;
             }
         }
-        if opts.eval_every > 0 && (step % opts.eval_every == 0 || last) {
+        // Evaluate when this record crosses a multiple of `eval_every` batches.
+        let first = step * hh;
+        if opts.eval_every > 0
+            && (first.div_ceil(opts.eval_every) != (rec.step + 1).div_ceil(opts.eval_every) || last)
+        {
             rec.eval_loss = Some(eval_loss(
                 &model,
                 corpus,
@@ -324,7 +347,7 @@ pub fn train(
         ),
     };
     let codec_fraction = match opts.optimizer {
-        Optimizer::Demo => {
+        Optimizer::Demo | Optimizer::Local => {
             let fb: f64 = records.iter().map(|r| r.t_fwd_bwd).sum::<f64>() / n as f64;
             let cm: f64 = records.iter().map(|r| r.t_compress).sum::<f64>() / n as f64;
             let ap: f64 = records.iter().map(|r| r.t_apply).sum::<f64>();
@@ -356,6 +379,8 @@ pub fn state_bytes(opts: &TrainOptions) -> u64 {
     let per = match opts.optimizer {
         Optimizer::Demo => opts.replicas as u64,
         Optimizer::Adamw => 2,
+        // Moments, error feedback, own progress and two copies per replica.
+        Optimizer::Local => 6 * opts.replicas as u64,
     };
     p * (3 + per)
 }

@@ -278,8 +278,16 @@ fn ceil_exp2(x: f64) -> i32 {
 /// `round(y · 2^(A − e))` where `2^e ≥ max|y|`, so `|Yq| ≤ 2^A`. Returned in the same sparse
 /// order as `t.mean`.
 pub fn quantize_blocks(t: &TensorAggregate, h: usize, w: usize) -> Vec<f64> {
+    quantize_blocks_scaled(t, h, w).0
+}
+
+/// [`quantize_blocks`], also returning each block's shift `A − e`: the block's values are
+/// `Yq · 2^-(A − e)`, so a decode that needs magnitudes (local steps' outer step) rescales the
+/// exact integer result by a power of two, which is itself exact.
+pub fn quantize_blocks_scaled(t: &TensorAggregate, h: usize, w: usize) -> (Vec<f64>, Vec<i32>) {
     let a = coef_bits(h, w) as i32;
     let mut out = vec![0.0; t.mean.len()];
+    let mut shifts = vec![0i32; t.offsets.len() - 1];
     for b in 0..t.offsets.len() - 1 {
         let r = t.offsets[b] as usize..t.offsets[b + 1] as usize;
         let blk = &t.mean[r.clone()];
@@ -288,6 +296,7 @@ pub fn quantize_blocks(t: &TensorAggregate, h: usize, w: usize) -> Vec<f64> {
             continue;
         }
         let shift = a - ceil_exp2(m);
+        shifts[b] = shift;
         // Scaling by a power of two in two steps keeps it exact even for extreme shifts.
         let s1 = 2f64.powi(shift / 2);
         let s2 = 2f64.powi(shift - shift / 2);
@@ -295,7 +304,7 @@ pub fn quantize_blocks(t: &TensorAggregate, h: usize, w: usize) -> Vec<f64> {
             *y = (x * s1 * s2).round_ties_even();
         }
     }
-    out
+    (out, shifts)
 }
 
 /// Reference exact decode of one quantized block (`Fq_h · Yq · Fq_wᵀ`), row-major `h × w`.
