@@ -49,6 +49,12 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
         /// Peers in the comparison (the DisTrO report used 32).
         #[arg(long, default_value_t = 32)]
         peers: u64,
+        /// Batches per exchange: 1 for DeMo, H for local steps (one update per window).
+        #[arg(long, default_value_t = 1)]
+        inner_steps: u32,
+        /// Sequences one node trains per batch (for bytes per token).
+        #[arg(long, default_value_t = 4)]
+        seqs: u32,
     },
 }
 
@@ -61,7 +67,7 @@ pub struct Knobs {
     /// Coefficients kept per chunk.
     #[arg(long, default_value_t = 4)]
     topk: u32,
-    /// sign (1 bit), bf16 or f32.
+    /// sign (1 bit), q2 / q4 (2 / 4 bits on a per-tensor scale, for local steps), bf16 or f32.
     #[arg(long, default_value = "sign")]
     values: ValueCodec,
 }
@@ -193,11 +199,29 @@ pub fn run(c: CodecCmd) -> Result<()> {
                     values,
                 },
             peers,
+            inner_steps,
+            seqs,
         } => {
             let Some(m) = ModelConfig::named(&model, vocab) else {
                 bail!("unknown model {model:?} (tiny, small or 1.2b)")
             };
             size_table(&m, chunk, topk, values, peers);
+            let bytes = sparse::encoded_size(&Layout::for_model(&m, chunk), topk, values) as f64;
+            let hh = inner_steps.max(1) as f64;
+            let tokens = hh * seqs as f64 * m.seq_len as f64;
+            println!(
+                "{:<44} {:>14.0}  (one exchange per {} batches)",
+                "per batch of training",
+                bytes / hh,
+                hh as u32
+            );
+            println!(
+                "{:<44} {:>14.2}  ({} seqs x {} tokens per batch)",
+                "per token trained",
+                bytes / tokens,
+                seqs,
+                m.seq_len
+            );
             Ok(())
         }
     }

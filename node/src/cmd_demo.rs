@@ -610,14 +610,19 @@ pub fn run(a: DemoArgs) -> Result<()> {
     });
     for (name, r) in names.iter().zip(&rows) {
         let mut rep = base.clone();
-        rep.options.optimizer = Optimizer::Demo;
+        rep.options.optimizer = if hh > 1 {
+            Optimizer::Local
+        } else {
+            Optimizer::Demo
+        };
         rep.update_bytes = Some(update_bytes);
         rep.final_eval_loss = final_eval.unwrap_or(f64::NAN);
         rep.steps = r
             .iter()
             .filter_map(|s| {
+                // In batches, as the baseline counts: a window is H of them.
                 Some(StepRecord {
-                    step: s.step as u32,
+                    step: ((s.step + 1) * hh as u64 - 1) as u32,
                     train_loss: s.loss?,
                     bytes_sent: s.bytes_out,
                     bytes_received: s.bytes_in,

@@ -1549,3 +1549,37 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     })
 }
+
+#[cfg(test)]
+mod run_file_tests {
+    /// Every run file the project ships parses, validates (timing, limits, and an update that
+    /// fits `max_blob_bytes`) and names a known optimizer.
+    #[test]
+    fn every_shipped_run_file_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("runs");
+        let mut seen = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let run = super::load_run(&p, None).unwrap();
+                let blob =
+                    protocol::sparse::encoded_size(&run.layout(), run.optim.topk, run.optim.values);
+                assert!(
+                    blob as u64 <= run.limits.max_blob_bytes as u64,
+                    "{}",
+                    p.display()
+                );
+                seen += 1;
+            }
+        }
+        assert!(seen >= 3, "{seen} run files");
+        let local = super::load_run(&dir.join("tiny-local-steps.toml"), None).unwrap();
+        let l = local
+            .optim
+            .local
+            .clone()
+            .expect("tiny-local-steps.toml runs local steps");
+        assert_eq!(l.inner_steps, 16);
+        assert_eq!(local.nominal_tokens(), 4 * 64 * 16);
+    }
+}

@@ -64,6 +64,10 @@ pub struct TrainArgs {
     /// Local steps: outer step size on the averaged pseudo-gradient (1 = plain averaging).
     #[arg(long, default_value_t = 1.0)]
     outer_lr: f64,
+    /// Local steps: outer Nesterov momentum, kept by each sender on its own pseudo-gradients
+    /// (0 = off; DiLoCo uses 0.9 with --outer-lr 0.7).
+    #[arg(long, default_value_t = 0.0)]
+    outer_momentum: f64,
     /// Local steps: error-feedback decay.
     #[arg(long, default_value_t = 0.95)]
     ef_decay: f64,
@@ -227,6 +231,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 outer_lr: a.outer_lr,
                 ef_decay: a.ef_decay,
                 dct: a.dct,
+                outer_momentum: a.outer_momentum,
                 ..Default::default()
             }),
         },

@@ -83,6 +83,53 @@ fn train_writes_report_and_plot() {
 }
 
 #[test]
+fn train_local_steps_counts_windows_and_bytes_per_token() {
+    let d = tmp("train-local");
+    let report = d.join("r.json");
+    let out = swarm()
+        .args([
+            "train",
+            "--optimizer",
+            "local",
+            "--inner-steps",
+            "4",
+            "--schedule",
+            "overlap",
+            "--steps",
+            "8",
+            "--replicas",
+            "2",
+            "--eval-every",
+            "4",
+            "--eval-batches",
+            "1",
+            "--device",
+            "cpu",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("bytes/token"), "{stdout}");
+    assert!(stdout.contains("one per 4 batches"), "{stdout}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    // Two windows of four batches, recorded at the last batch of each.
+    let steps = r["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    assert_eq!(steps[0]["step"], 3);
+    assert_eq!(steps[1]["step"], 7);
+    assert!(steps.iter().all(|s| s["eval_loss"].is_number()));
+    assert_eq!(r["options"]["optim"]["values"], "q2");
+    assert_eq!(r["options"]["optim"]["topk"], 64);
+}
+
+#[test]
 fn codec_encode_decode_and_size() {
     let d = tmp("codec");
     // Two tensors to compress, written as safetensors through tch.

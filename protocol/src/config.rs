@@ -240,6 +240,17 @@ pub struct LocalSteps {
     /// Inner AdamW moments.
     pub adam_beta1: f64,
     pub adam_beta2: f64,
+    /// Outer Nesterov momentum μ, kept by each sender on its own pseudo-gradients (0 = off):
+    /// `m = μ·m + Δ`, and `Δ + μ·m` goes into the error feedback. The outer step is linear in
+    /// what is sent, so the swarm's average of these is Nesterov momentum on the average
+    /// pseudo-gradient (DiLoCo's outer optimizer) without any shared state: a node that leaves
+    /// takes its momentum with it, and the digest still names the parameters alone.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub outer_momentum: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Default for LocalSteps {
@@ -251,6 +262,7 @@ impl Default for LocalSteps {
             dct: false,
             adam_beta1: 0.9,
             adam_beta2: 0.95,
+            outer_momentum: 0.0,
         }
     }
 }

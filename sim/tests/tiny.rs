@@ -46,6 +46,29 @@ fn tiny_trains_agrees_and_is_deterministic() {
     assert_eq!(m.to_json(), again.to_json());
 }
 
+/// Local steps in the whole simulated swarm, every defence on: every node applies every
+/// window with every update to the same parameters (so spot checks, copy detection and
+/// bounded influence accept honest q2 pseudo-gradients), and the eval loss falls.
+#[test]
+fn tiny_local_steps_train_and_agree() {
+    let _g = TORCH.lock().unwrap_or_else(|e| e.into_inner());
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/tiny_local_test.toml");
+    let sc = Scenario::load(&p).unwrap();
+    let n = sc.nodes() as u32;
+    let m = sim::run(&sc, &mut |_, _| {}).unwrap();
+    assert_eq!(m.steps.len() as u64, sc.steps);
+    for s in &m.steps {
+        assert_eq!(s.applied_nodes, n, "{s:?}");
+        assert_eq!(s.agree, 1.0, "{s:?}");
+        assert_eq!(s.included_min, n, "{s:?}");
+    }
+    assert_eq!(m.totals.desyncs, 0);
+    assert_eq!(m.totals.rejected, 0);
+    let (l0, l1) = (m.totals.initial_loss, m.totals.final_loss.unwrap());
+    // Four windows of four AdamW steps at 1e-2 from ln 64 ≈ 4.16.
+    assert!(l0 > 4.0 && l1 < l0 - 0.3, "eval loss {l0} -> {l1}");
+}
+
 /// The trainer alone: applying a node's own update must lower the loss on that node's batch
 /// (the spot check's premise), an empty set changes nothing, and the digest is the model's.
 #[test]

@@ -76,6 +76,8 @@ struct LocalState {
     adam: AdamW,
     /// Error feedback: what the node has not yet sent of its pseudo-gradients.
     ef: Vec<Tensor>,
+    /// Sender-side outer momentum (when the run asks for it).
+    momentum: Vec<Tensor>,
     /// `(window, end − start)`: the node's own uncompressed progress over its last window,
     /// which it keeps while that window is in flight.
     own: Option<(u64, Vec<Tensor>)>,
@@ -89,6 +91,11 @@ impl LocalState {
         LocalState {
             adam,
             ef: params.iter().map(|p| p.detach().zeros_like()).collect(),
+            momentum: if l.outer_momentum != 0.0 {
+                params.iter().map(|p| p.detach().zeros_like()).collect()
+            } else {
+                Vec::new()
+            },
             own: None,
         }
     }
@@ -307,11 +314,26 @@ impl NodeStep {
         let t1 = std::time::Instant::now();
         let own = tch::no_grad(|| {
             let mut own = Vec::with_capacity(start.len());
-            for ((p, s0), e) in model.params.iter().zip(&start).zip(ls.ef.iter_mut()) {
+            for (i, ((p, s0), e)) in model
+                .params
+                .iter()
+                .zip(&start)
+                .zip(ls.ef.iter_mut())
+                .enumerate()
+            {
                 let progress = p.detach() - s0;
                 // The pseudo-gradient is start − end = −progress.
                 let _ = e.g_mul_scalar_(l.ef_decay);
-                let _ = e.g_sub_(&progress);
+                if l.outer_momentum != 0.0 {
+                    // Nesterov on the sender's side: m = μ·m + Δ; send Δ + μ·m.
+                    let m = &mut ls.momentum[i];
+                    let _ = m.g_mul_scalar_(l.outer_momentum);
+                    let _ = m.g_sub_(&progress);
+                    let _ = e.g_sub_(&progress);
+                    let _ = e.g_add_(&(&*m * l.outer_momentum));
+                } else {
+                    let _ = e.g_sub_(&progress);
+                }
                 own.push(progress);
             }
             for (p, s) in model.params.iter().zip(&saved) {
