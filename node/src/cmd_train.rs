@@ -269,6 +269,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let mut last_eval = None;
     let every = (a.steps / 10).max(1);
+    let hh = opts.optim.inner_steps();
     let (model_out, report) = train::run::train(&opts, &corpus, device, |r| {
         if let Some(e) = r.eval_loss {
             last_eval = Some(e);
@@ -281,8 +282,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
             r.bytes_sent
         );
         pb.set_message(msg.clone());
-        pb.inc(1);
-        if !tty && (r.step % every == 0 || r.step + 1 == a.steps) {
+        // A record covers one batch, or a window of H of them for local steps.
+        let covered = (r.step + 1).saturating_sub(hh)..=r.step;
+        pb.set_position(r.step as u64 + 1);
+        if !tty && (covered.clone().any(|s| s % every == 0) || r.step + hh >= a.steps) {
             eprintln!("step {}/{}: {msg}", r.step + 1, a.steps);
         }
     })?;

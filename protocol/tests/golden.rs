@@ -63,8 +63,15 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
             ("n".into(), vec![2], Dtype::Bf16, &t2[..]),
         ],
     );
+    // Local steps: the optimizer in the run config, and an update blob with 2-bit values
+    // (a per-tensor f32 step, then 2-bit codes).
+    let mut local = test_run(true);
+    local.optim.values = protocol::config::ValueCodec::Q2;
+    local.optim.local = Some(protocol::config::LocalSteps::default());
     vec![
         ("run_config.cbor", run.canonical_bytes()),
+        ("run_config_local.cbor", local.canonical_bytes()),
+        ("update_q2.cbor", make_update(&local, 5).encode()),
         ("run_id", rid.0.to_vec()),
         (
             "signing_preimage",
