@@ -215,3 +215,29 @@ fn a_window_leaves_the_shared_weights_and_helps_its_own_batch() {
     assert_ne!(ua, ub);
     assert_eq!(model.digest(), before);
 }
+
+#[test]
+#[ignore = "needs a CUDA device: run with SWARM_GPU_TESTS=1 cargo test -- --ignored"]
+fn outer_step_is_identical_on_cuda() {
+    if std::env::var("SWARM_GPU_TESTS").is_err() || !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA (set SWARM_GPU_TESTS=1 on a GPU machine)");
+        return;
+    }
+    let l = layout();
+    let cpu = DctCodec::new(l.clone(), Device::Cpu);
+    let ups: Vec<SparseUpdate> = (0..7)
+        .map(|i| {
+            let mut d = random(&l, 50 + i);
+            cpu.encode_local(&mut d, 16, ValueCodec::Q2, i % 2 == 0)
+        })
+        .collect();
+    let set: Vec<(&SparseUpdate, u64)> = ups.iter().map(|u| (u, 256)).collect();
+    let agg = sparse::aggregate_round(&l, Combine::Share, 256, &set);
+    for dct in [false, true] {
+        let a = cpu.exact_values(&agg, dct);
+        let b = DctCodec::new(l.clone(), Device::Cuda(0)).exact_values(&agg, dct);
+        for (x, y) in a.iter().zip(&b) {
+            assert!(x.equal(&y.to_device(Device::Cpu)), "dct {dct}");
+        }
+    }
+}

@@ -18,6 +18,16 @@
 //!    [`coef_bits`] picks `A` so that bound is `≤ 2^52`: every intermediate is an exact
 //!    integer in f64, so any summation order, blocking or FMA gives the same result, and
 //!    `sign` of it is exact.
+//!
+//! Local steps apply the decoded values themselves, not their sign (`train::demo::DctCodec::
+//! exact_values`). Step 4's integer `Z` is exact, and the block's values are
+//! `Z · 2^-(A − e) · 2^-2B`: multiplying by a power of two is exact in f64 (barring underflow
+//! far below f32's range), and the one rounding to f32 is IEEE round-to-nearest-even on every
+//! device. The values differ from the float decode only by the rounding of `Y` at `2^-A` of
+//! its block maximum (relative ≤ 2^-18 for 64×64 blocks) and of `F` at `2^-B`. Without the
+//! DCT there is no decode at all: each combined f64 is rounded once to f32 and scattered into
+//! zeros (padding entries add an exact 0). The outer step `p − f32(lr)·v` is then two
+//! correctly rounded f32 operations per element, as the sign step is.
 
 use super::{Layout, SparseUpdate};
 use crate::config::Combine;
