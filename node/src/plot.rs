@@ -113,19 +113,37 @@ fn short(s: &str) -> String {
     s.split(':').next().unwrap_or(s).chars().take(60).collect()
 }
 
+/// Tokens one node trains between two of its sends: a batch, or a window of H for local steps.
+fn tokens_per_send(r: &Report) -> f64 {
+    let o = &r.options;
+    let hh = if o.optimizer == train::run::Optimizer::Local {
+        o.optim.local.as_ref().map_or(16, |l| l.inner_steps.max(1))
+    } else {
+        1
+    };
+    (o.batch as f64 * o.model.seq_len as f64 * hh as f64).max(1.0)
+}
+
+/// Bytes one node sends per token it trains (the last record's send over its tokens).
+pub fn bytes_per_token(r: &Report) -> f64 {
+    r.steps
+        .last()
+        .map_or(0.0, |s| s.bytes_sent as f64 / tokens_per_send(r))
+}
+
 /// Final eval loss of each report, its distance to the floor and to the first report.
 pub fn summary_table(reports: &[(String, Report)]) {
     let Some((_, base)) = reports.first() else {
         return;
     };
     println!(
-        "{:<24} {:>10} {:>10} {:>9} {:>14} {:>14} {:>9}",
-        "run", "eval loss", "vs floor", "vs first", "sent B/step", "recv B/step", "wall s"
+        "{:<24} {:>10} {:>10} {:>9} {:>12} {:>10} {:>12} {:>9}",
+        "run", "eval loss", "vs floor", "vs first", "sent B/send", "B/token", "recv B/send", "wall s"
     );
     for (label, r) in reports {
         let last = r.steps.last();
         println!(
-            "{:<24} {:>10.4} {:>10} {:>+8.2}% {:>14} {:>14} {:>9.1}",
+            "{:<24} {:>10.4} {:>10} {:>+8.2}% {:>12} {:>10.2} {:>12} {:>9.1}",
             label,
             r.final_eval_loss,
             r.loss_floor
@@ -133,88 +151,115 @@ pub fn summary_table(reports: &[(String, Report)]) {
                 .unwrap_or("-".into()),
             (r.final_eval_loss / base.final_eval_loss - 1.0) * 100.0,
             last.map(|s| s.bytes_sent).unwrap_or(0),
+            bytes_per_token(r),
             last.map(|s| s.bytes_received).unwrap_or(0),
             r.wall_seconds
         );
     }
 }
 
-/// Final eval loss against bytes sent per node per step (log scale), one point per report: the
-/// figure of merit for a compressor is how little it sends for how little loss it gives up.
+/// The loss-versus-bytes frontier: each report's final eval loss as a ratio to the first
+/// report's (the reference, e.g. AdamW + all-reduce) against the bytes a node sends per token
+/// it trains (log scale), one line per method (DeMo at several k, local steps at several H…),
+/// so a compressor's figure of merit — how little it sends for how little loss it gives up —
+/// reads at a glance, and methods that exchange every batch or every window compare fairly.
 pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
-    let pts: Vec<(String, f64, f64)> = reports
+    let Some((_, base)) = reports.first() else {
+        return Ok(());
+    };
+    let reference = base.final_eval_loss;
+    let pts: Vec<(String, String, f64, f64)> = reports
         .iter()
-        .filter_map(|(l, r)| {
-            r.steps
-                .last()
-                .map(|s| (l.clone(), s.bytes_sent.max(1) as f64, r.final_eval_loss))
+        .filter(|(_, r)| !r.steps.is_empty())
+        .map(|(l, r)| {
+            let method = format!("{:?}", r.options.optimizer).to_lowercase();
+            (
+                l.clone(),
+                method,
+                bytes_per_token(r).max(1e-3),
+                r.final_eval_loss / reference,
+            )
         })
         .collect();
     if pts.is_empty() {
         return Ok(());
     }
-    let root = BitMapBackend::new(out, (900, 560)).into_drawing_area();
+    let root = BitMapBackend::new(out, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let (xmin, xmax) = pts
         .iter()
-        .fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
-    let mut ys: Vec<f64> = pts.iter().map(|p| p.2).collect();
-    ys.extend(reports.iter().filter_map(|(_, r)| r.loss_floor));
-    let (ymin, ymax) = ys
+        .fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.2), b.max(p.2)));
+    let (ymin, ymax) = pts
         .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| {
-            (a.min(y), b.max(y))
-        });
+        .fold((1.0f64, 1.0f64), |(a, b), p| (a.min(p.3), b.max(p.3)));
     let pad = 0.08 * (ymax - ymin).max(0.05);
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "final eval loss against bytes sent per node per step",
-            ("sans-serif", 22),
+            format!(
+                "final eval loss / {} ({reference:.4}) against bytes sent per token trained",
+                reports[0].0
+            ),
+            ("sans-serif", 20),
         )
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d(
-            (xmin / 2.0..xmax * 2.0).log_scale(),
+            (xmin / 2.0..xmax * 3.0).log_scale(),
             (ymin - pad)..(ymax + pad),
         )
         .map_err(|e| anyhow!("{e}"))?;
     chart
         .configure_mesh()
-        .x_desc("bytes sent per node per step (log)")
-        .y_desc("final eval loss")
+        .x_desc("bytes sent per node per token trained (log)")
+        .y_desc("final eval loss / reference")
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .draw_series(
-            pts.iter()
-                .map(|(_, x, y)| Circle::new((*x, *y), 5, BLUE.filled())),
-        )
-        .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .draw_series(
-            pts.iter()
-                .map(|(l, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 15))),
-        )
-        .map_err(|e| anyhow!("{e}"))?;
-    if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
+    let mut methods: Vec<&str> = pts.iter().map(|p| p.1.as_str()).collect();
+    methods.dedup();
+    methods.sort();
+    methods.dedup();
+    for (i, m) in methods.iter().enumerate() {
+        let colour = Palette99::pick(i).to_rgba();
+        let mut line: Vec<(f64, f64)> = pts
+            .iter()
+            .filter(|p| p.1 == *m)
+            .map(|p| (p.2, p.3))
+            .collect();
+        line.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
-            .draw_series(DashedLineSeries::new(
-                vec![(xmin / 2.0, f), (xmax * 2.0, f)],
-                8,
-                6,
-                BLACK.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(line.clone(), colour.stroke_width(2)))
             .map_err(|e| anyhow!("{e}"))?
-            .label(format!("loss floor {f:.4}"))
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+            .label(m.to_string())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
         chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
+            .draw_series(
+                line.iter()
+                    .map(|&(x, y)| Circle::new((x, y), 5, colour.filled())),
+            )
             .map_err(|e| anyhow!("{e}"))?;
     }
+    chart
+        .draw_series(
+            pts.iter()
+                .map(|(l, _, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 14))),
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(DashedLineSeries::new(
+            vec![(xmin / 2.0, 1.0), (xmax * 3.0, 1.0)],
+            8,
+            6,
+            BLACK.stroke_width(1),
+        ))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
 }
