@@ -1579,7 +1579,7 @@ mod run_file_tests {
             .local
             .clone()
             .expect("tiny-local-steps.toml runs local steps");
-        assert_eq!(l.inner_steps, 16);
-        assert_eq!(local.nominal_tokens(), 4 * 64 * 16);
+        assert_eq!(l.inner_steps, 2);
+        assert_eq!(local.nominal_tokens(), 4 * 64 * 2);
     }
 }

@@ -48,7 +48,7 @@ pub struct TrainArgs {
     /// Bits per token of a shard (16 or 32); *.u32 files default to 32.
     #[arg(long)]
     token_width: Option<u32>,
-    /// Coefficients kept per chunk (default: 4 for demo, 64 for local).
+    /// Coefficients kept per chunk (default: 4 for demo, 8 for local).
     #[arg(long)]
     topk: Option<u32>,
     /// DeMo: target chunk length per dimension.
@@ -58,11 +58,13 @@ pub struct TrainArgs {
     /// bf16 or f32 (default: sign for demo, q2 for local).
     #[arg(long)]
     values: Option<ValueCodec>,
-    /// Local steps: AdamW steps per window (H); one exchange per window.
-    #[arg(long, default_value_t = 16)]
+    /// Local steps: AdamW steps per window (H); one exchange per window. For `tiny` with 16
+    /// replicas, H = 2 with k = 8 beat H = 4…16 at equal bytes per token (docs/BENCHMARKS.md).
+    #[arg(long, default_value_t = 2)]
     inner_steps: u32,
-    /// Local steps: outer step size on the averaged pseudo-gradient (1 = plain averaging).
-    #[arg(long, default_value_t = 1.0)]
+    /// Local steps: outer step size on the combined pseudo-gradient (1 = plain averaging; 0.7
+    /// beat 1 with the per-coefficient mean).
+    #[arg(long, default_value_t = 0.7)]
     outer_lr: f64,
     /// Local steps: outer Nesterov momentum, kept by each sender on its own pseudo-gradients
     /// (0 = off; DiLoCo uses 0.9 with --outer-lr 0.7).
@@ -207,7 +209,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         optim: OptimConfig {
             chunk: a.chunk,
-            topk: a.topk.unwrap_or(if local { 64 } else { 4 }),
+            topk: a.topk.unwrap_or(if local { 8 } else { 4 }),
             values: a.values.unwrap_or(if local {
                 ValueCodec::Q2
             } else {

@@ -138,7 +138,14 @@ pub fn summary_table(reports: &[(String, Report)]) {
     };
     println!(
         "{:<24} {:>10} {:>10} {:>9} {:>12} {:>10} {:>12} {:>9}",
-        "run", "eval loss", "vs floor", "vs first", "sent B/send", "B/token", "recv B/send", "wall s"
+        "run",
+        "eval loss",
+        "vs floor",
+        "vs first",
+        "sent B/send",
+        "B/token",
+        "recv B/send",
+        "wall s"
     );
     for (label, r) in reports {
         let last = r.steps.last();

@@ -17,6 +17,7 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
     let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).unwrap();
     model.layers = 2;
     model.seq_len = 32;
+    let local = optimizer == Optimizer::Local;
     let o = TrainOptions {
         model,
         optimizer,
@@ -28,6 +29,13 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
             lr: 3e-3,
             warmup_steps: 10,
             total_steps: steps,
+            // Local steps: the defaults' windows with top-8 2-bit values.
+            topk: if local { 8 } else { 4 },
+            values: if local {
+                protocol::config::ValueCodec::Q2
+            } else {
+                protocol::config::ValueCodec::Sign
+            },
             ..OptimConfig::default()
         },
         adamw_lr: 3e-3,
@@ -61,6 +69,11 @@ fn check_learns(optimizer: Optimizer, fraction: f64) {
 fn demo_learns() {
     // k = 4 of 4096 moves ~0.03 bits per parameter per step: slower than AdamW at this size.
     check_learns(Optimizer::Demo, 0.4);
+}
+
+#[test]
+fn local_steps_learn() {
+    check_learns(Optimizer::Local, 0.4);
 }
 
 #[test]
