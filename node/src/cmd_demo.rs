@@ -21,7 +21,9 @@ use train::run::{Optimizer, Report, StepRecord, TrainOptions};
 
 use crate::cmd_net::now_ms;
 
-const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
+/// The demo's embedded run: local steps, which measured best of DeMo and local steps for `tiny`
+/// (docs/BENCHMARKS.md, "Local steps"). `--run node/runs/tiny-local.toml` runs DeMo.
+const TINY_LOCAL_STEPS: &str = include_str!("../runs/tiny-local-steps.toml");
 
 #[derive(Args, Debug)]
 #[command(
@@ -31,13 +33,14 @@ pub struct DemoArgs {
     /// Trainer processes.
     #[arg(long, default_value_t = 4)]
     pub trainers: usize,
-    /// Steps to train. 400 short steps let both curves fall well below the ln 32 plateau
-    /// within the demo's minutes (the embedded run's warm-up and cosine span 400 steps).
-    #[arg(long, default_value_t = 400)]
+    /// Protocol steps to train (a local-steps run's steps are windows of H batches); 0 = the
+    /// run's whole schedule (`optim.total_steps`: the embedded run's 200 windows of 2 batches,
+    /// enough for both curves to fall well below the ln 32 plateau within the demo's minutes).
+    #[arg(long, default_value_t = 0)]
     pub steps: u64,
-    /// Step period (grace and summary windows scale with it). 600 ms fits 4 `tiny` trainers
-    /// (~150 ms of training each) on 2 cores; raise it for bigger models or slower machines.
-    #[arg(long, default_value_t = 600)]
+    /// Step period (grace and summary windows scale with it); 0 = 600 ms per batch of a step,
+    /// which fits 4 `tiny` trainers on 2 cores. Raise it for bigger models or slower machines.
+    #[arg(long, default_value_t = 0)]
     pub period_ms: u64,
     /// Seconds from now until step 0 (process start, model init, peer discovery).
     #[arg(long, default_value_t = 10)]
@@ -45,7 +48,8 @@ pub struct DemoArgs {
     /// Report directory (report.json, report.png, and the nodes' keys, logs and status files).
     #[arg(long, default_value = "runs/demo")]
     pub out: PathBuf,
-    /// A run config (TOML, as `swarm run --run` takes) instead of the embedded `tiny` one, e.g.
+    /// A run config (TOML, as `swarm run --run` takes) instead of the embedded `tiny` one
+    /// (node/runs/tiny-local-steps.toml), e.g. `node/runs/tiny-local.toml` (DeMo) or
     /// `node/runs/small-local.toml`; its timing is replaced by --period-ms and the start time.
     #[arg(long)]
     pub run: Option<PathBuf>,
@@ -216,10 +220,10 @@ fn spread(rows: &[Vec<Status>], by_step: &[BTreeMap<u64, &Status>]) -> (Option<S
     )
 }
 
-pub fn run(a: DemoArgs) -> Result<()> {
+pub fn run(mut a: DemoArgs) -> Result<()> {
     let start = Instant::now();
-    if a.trainers == 0 || a.steps == 0 {
-        bail!("--trainers and --steps must be at least 1");
+    if a.trainers == 0 {
+        bail!("--trainers must be at least 1");
     }
     let work = a.out.join("work");
     let _ = std::fs::remove_dir_all(&work);
@@ -230,8 +234,15 @@ pub fn run(a: DemoArgs) -> Result<()> {
             let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
             toml::from_str(&text).with_context(|| format!("{}: not a run config", p.display()))?
         }
-        None => toml::from_str(TINY_LOCAL).context("embedded tiny-local.toml")?,
+        None => toml::from_str(TINY_LOCAL_STEPS).context("embedded tiny-local-steps.toml")?,
     };
+    // 0 = from the run: its whole schedule, at 600 ms per batch of a window.
+    if a.steps == 0 {
+        a.steps = run.optim.total_steps as u64;
+    }
+    if a.period_ms == 0 {
+        a.period_ms = 600 * run.optim.inner_steps() as u64;
+    }
     run.timing.period_ms = a.period_ms;
     run.timing.grace_ms = a.period_ms * 4 / 25;
     run.timing.summary_ms = a.period_ms * 8 / 25;

@@ -30,8 +30,11 @@ fn the_simulator_and_a_real_local_swarm_train_the_same_curve() {
     let (trainers, steps) = (4usize, 8u64);
 
     let real = out.join("demo");
+    // The DeMo run the scenario simulates (the demo's own default is local steps).
     let res = swarm()
         .args(["demo", "--trainers", "4", "--steps", &steps.to_string()])
+        .arg("--run")
+        .arg(root.join("node/runs/tiny-local.toml"))
         .args(["--period-ms", "2000", "--start-in", "10", "--key-seed", "1"])
         .arg("--no-baseline")
         .arg("--out")
