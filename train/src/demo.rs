@@ -224,12 +224,10 @@ impl DctCodec {
                         .scatter(1, &idx, &deq)
                         .view([nb, h, w])
                 };
-                let mut start = 0i64;
+                let mut parts: Vec<Option<Tensor>> = (0..bufs.len()).map(|_| None).collect();
+                self.split_group(g, &dec, &mut parts);
                 for &ti in &g.tensors {
-                    let l = &self.layout.tensors[ti];
-                    let cnt = l.blocks() as i64;
-                    let _ = bufs[ti].g_sub_(&from_blocks(&dec.narrow(0, start, cnt), l));
-                    start += cnt;
+                    let _ = bufs[ti].g_sub_(parts[ti].as_ref().expect("split fills the group"));
                 }
             }
         });
@@ -304,13 +302,7 @@ impl DctCodec {
                         .scatter_add(1, &idx, &val)
                         .view([nb as i64, h, w])
                 };
-                let mut start = 0i64;
-                for &ti in &g.tensors {
-                    let l = &self.layout.tensors[ti];
-                    let n = l.blocks() as i64;
-                    out[ti] = Some(from_blocks(&all.narrow(0, start, n), l));
-                    start += n;
-                }
+                self.split_group(g, &all, &mut out);
             }
         });
         out.into_iter().map(|t| t.unwrap()).collect()
@@ -357,6 +349,17 @@ impl DctCodec {
             }
         }
         (idx, val, nb, m, shifts)
+    }
+
+    /// Cut a group's stacked `[blocks, h, w]` result back into its tensors' shapes.
+    fn split_group(&self, g: &Group, all: &Tensor, out: &mut [Option<Tensor>]) {
+        let mut start = 0i64;
+        for &ti in &g.tensors {
+            let l = &self.layout.tensors[ti];
+            let n = l.blocks() as i64;
+            out[ti] = Some(from_blocks(&all.narrow(0, start, n), l));
+            start += n;
+        }
     }
 
     /// `Σ_j v_j · Fh[:, b_j] ⊗ Fw[:, d_j]` per block, for flat indices `i = b·w + d`
@@ -440,13 +443,7 @@ impl DctCodec {
                     })
                     .collect();
                 let all = Tensor::cat(&parts, 0);
-                let mut start = 0i64;
-                for &ti in &g.tensors {
-                    let l = &self.layout.tensors[ti];
-                    let n = l.blocks() as i64;
-                    out[ti] = Some(from_blocks(&all.narrow(0, start, n), l));
-                    start += n;
-                }
+                self.split_group(g, &all, &mut out);
             }
         });
         out.into_iter().map(|t| t.unwrap()).collect()
