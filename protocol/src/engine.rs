@@ -1487,7 +1487,9 @@ impl Engine {
         let cur = self.run.timing.step_at(now);
         let past = self.run.limits.past_steps as u64;
         // Only versions that can matter: around the current step, bounded on both sides.
-        if version + past + 2 < cur || version > cur + self.run.limits.future_steps as u64 + 1 {
+        // Saturating: a peer's version is untrusted and may be u64::MAX (a debug-build panic).
+        let future = self.run.limits.future_steps as u64 + 1;
+        if version.saturating_add(past + 2) < cur || version > cur.saturating_add(future) {
             return;
         }
         let max = self.run.limits.max_peers as usize;

@@ -503,3 +503,26 @@ fn a_withholding_relay_delays_updates_but_loses_none() {
     }
     assert_eq!(sim.nodes[3].engine.metrics().relayed, 0);
 }
+
+/// A Hello (and so an attestation) claiming parameters version u64::MAX used to overflow
+/// `add_attest`'s window arithmetic: a panic in debug builds, from one unsigned message.
+#[test]
+fn hello_with_version_u64_max_is_ignored_not_a_panic() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 3);
+    let liar = Identity::from_seed([202; 32]);
+    let hello = Message::Hello(protocol::wire::Hello {
+        version: protocol::wire::PROTOCOL_VERSION,
+        run: run.run_id(),
+        node: liar.node_id(),
+        capabilities: 0,
+        listen: vec![],
+        params_version: u64::MAX,
+        params_digest: crypto::Digest::of(b"forged"),
+    });
+    for at in [GENESIS + 10, GENESIS + 3 * PERIOD] {
+        sim.inject(at, 0, liar.node_id(), hello.encode());
+    }
+    sim.run_until(GENESIS + 6 * PERIOD);
+    assert_agree(&sim, &[0, 1, 2], 4);
+}
