@@ -1568,7 +1568,14 @@ impl Engine {
                 return;
             }
             let newest = self.attest.keys().next_back().copied().unwrap_or(0);
-            if newest > v + self.run.limits.past_steps as u64 {
+            // Past the furthest version `add_attest` keeps, nobody can ever attest it: a
+            // far-future (or u64::MAX) version would otherwise hold the joiner forever.
+            let beyond = self
+                .run
+                .timing
+                .step_at(now)
+                .saturating_add(self.run.limits.future_steps as u64 + 1);
+            if newest > v.saturating_add(self.run.limits.past_steps as u64) || v > beyond {
                 // Nobody attests it and the run has moved on: ask again.
                 out.push(Action::Report(Report::CheckpointUnattested {
                     version: v,

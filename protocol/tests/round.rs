@@ -526,3 +526,32 @@ fn hello_with_version_u64_max_is_ignored_not_a_panic() {
     sim.run_until(GENESIS + 6 * PERIOD);
     assert_agree(&sim, &[0, 1, 2], 4);
 }
+
+/// A joiner's trainer reports a loaded checkpoint of version u64::MAX (what a lying server
+/// can hand it): no overflow, no waiting forever for an attestation that cannot come. It is
+/// reported unattested at once, and the joiner asks again and catches up with the swarm.
+#[test]
+fn a_loaded_checkpoint_of_version_u64_max_is_dropped_and_the_joiner_recovers() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 3 * PERIOD + 300);
+    let j = sim.add_node(9, None);
+    sim.push(
+        GENESIS + 3 * PERIOD + 310,
+        j,
+        Event::CheckpointLoaded {
+            version: u64::MAX,
+            digest: crypto::Digest::of(b"forged"),
+        },
+    );
+    sim.run_until(GENESIS + 11 * PERIOD);
+    assert!(sim.actions(j).any(|a| matches!(
+        a,
+        Action::Report(Report::CheckpointUnattested {
+            version: u64::MAX,
+            ..
+        })
+    )));
+    assert!(sim.nodes[j].engine.status().synced);
+    assert!(sim.history(j).len() >= 4);
+    assert_agree(&sim, &[0, 1, 2, 3, j], 9);
+}
