@@ -378,6 +378,9 @@ struct Node {
     steps: Option<u64>,
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
+    /// A downloaded checkpoint's version, loaded but not yet saved: it is written only once
+    /// the engine syncs on it.
+    unsaved_load: Option<u64>,
     ckpt_every: u64,
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
@@ -581,13 +584,21 @@ impl Node {
                 }
                 Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
                 Report::Synced { version, digest } => {
-                    tracing::info!(version, digest = %&digest.to_hex()[..12], "synced")
+                    tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
+                    if self.unsaved_load.take() == Some(version) {
+                        self.save_checkpoint();
+                    }
                 }
-                Report::CheckpointUnattested { version, digest } => tracing::warn!(
-                    version,
-                    digest = %&digest.to_hex()[..12],
-                    "the loaded checkpoint was never attested by a quorum; asking again"
-                ),
+                Report::CheckpointUnattested { version, digest } => {
+                    if self.unsaved_load == Some(version) {
+                        self.unsaved_load = None;
+                    }
+                    tracing::warn!(
+                        version,
+                        digest = %&digest.to_hex()[..12],
+                        "the loaded checkpoint is not the one the swarm attests; not saved, asking again"
+                    )
+                }
                 Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
                 Report::Verified { step, sender } => {
                     let a = self.arrivals.entry(step).or_default();
@@ -1064,6 +1075,13 @@ impl Node {
         }
     }
 
+    /// Save the parameters into `--checkpoint-dir`, if one was given.
+    fn save_checkpoint(&mut self) {
+        if let Some(dir) = self.ckpt_dir.clone() {
+            self.to_trainer(Cmd::Save { dir });
+        }
+    }
+
     fn download_failed(&mut self) {
         self.ckpt_requests.clear();
         self.ckpt_retry_at = now_ms() + self.engine.run().timing.period_ms / 2;
@@ -1129,8 +1147,13 @@ impl Node {
                     }
                 }
                 self.to_trainer(Cmd::Snapshot);
-                if let Some(dir) = self.ckpt_dir.clone() {
-                    self.to_trainer(Cmd::Save { dir });
+                // Written to disk only once the engine is synced on it (now, or when the
+                // swarm's attestation comes): a checkpoint nobody attested must not be resumed
+                // after a restart, nor prune the honest files beside it.
+                if synced {
+                    self.save_checkpoint();
+                } else {
+                    self.unsaved_load = Some(version);
                 }
             }
             Ok(_) => {
@@ -1436,6 +1459,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             steps: a.steps,
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
+            unsaved_load: None,
             ckpt_every: a.checkpoint_every,
             hostile: a.adversary.map(Hostile::new),
             forged: VecDeque::new(),

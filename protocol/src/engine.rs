@@ -21,12 +21,15 @@
 //!   have equivocated in t, in blob-id order. Honest nodes that received the same summaries and
 //!   blobs apply the same set; one that missed an update learns of it from the summaries and
 //!   fetches it before applying.
-//! * Summaries carry parameter digests. A node whose digest for its current version is
-//!   outvoted (at least `attest_quorum` peers agree on another) declares itself desynced and
-//!   asks for a checkpoint, exactly like a joiner.
-//! * A joiner listens, and once at least `attest_quorum` peers attest a (version, digest) whose
-//!   summaries it was listening for, requests a checkpoint of at least that version, loads it,
-//!   and catches up by applying the following steps from the summaries it collected.
+//! * Summaries (signed and priced; Hellos never vote) carry parameter digests. A node whose
+//!   digest for its current version is outvoted by the peers it *knows* (`Engine::known`: at
+//!   least `attest_quorum` of them and a strict majority agree on another) declares itself
+//!   desynced and asks them for a checkpoint, exactly like a joiner. Fresh keys never outvote
+//!   a node, however many: that would let a few throwaway keys hand it their parameters.
+//! * A joiner listens, and once the swarm attests a (version, digest) whose summaries it was
+//!   listening for (`Engine::attested_digest`), requests a checkpoint of at least that
+//!   version, loads it, and catches up by applying the following steps from the summaries it
+//!   collected. A loaded checkpoint whose digest the swarm contradicts is dropped at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -37,8 +40,8 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use crate::error::WireError;
 use crate::run::{RunConfig, RunId};
 use crate::wire::{
-    caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, UpdateHeader,
-    UpdateRules, PROTOCOL_VERSION,
+    caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation,
+    UpdateHeader, UpdateRules, PROTOCOL_VERSION,
 };
 
 /// Something that happened, fed to [`Engine::handle`].
@@ -269,6 +272,8 @@ pub struct Metrics {
     pub early: u64,
     pub duplicates: u64,
     pub equivocations: u64,
+    /// Peer entries dropped to make room in the full peer table.
+    pub evicted_peers: u64,
     pub fetches: u64,
     pub fetch_failures: u64,
     pub steps_applied: u64,
@@ -313,8 +318,11 @@ struct Entry {
 #[derive(Default)]
 struct StepState {
     headers: BTreeMap<NodeId, Entry>,
-    equivocators: BTreeMap<NodeId, EquivocationProof>,
-    summaries: BTreeMap<NodeId, StepSummary>,
+    /// Senders proven to have signed two headers or two summaries for the step: their
+    /// updates and summaries are left out of its set. At most `max_updates_per_step` of them
+    /// that sent nothing here (see `on_proof`).
+    equivocators: BTreeSet<NodeId>,
+    summaries: BTreeMap<NodeId, Signed<StepSummary>>,
     mine: Option<Vec<ContentId>>,
     /// Senders this node spot-checked (or is checking) for the step: once each.
     checked: BTreeSet<NodeId>,
@@ -352,11 +360,20 @@ struct Peer {
     passed: u32,
     /// The step in which this peer's first header or summary was accepted.
     first_step: Option<u64>,
+    /// Applied steps that included one of this peer's updates (see [`Engine::known`]).
+    included: u32,
 }
 
 const REP_MAX: i32 = 8;
 const REP_FAIL: i32 = 3;
 const REP_OFFENDER: i32 = -3;
+/// Steps after this node's first sync in which a peer first heard from still counts as one it
+/// knew then: a joiner hears only the summaries of peers active while it listens, and those of
+/// the first steps after genesis arrive a step apart.
+const KNOWN_GRACE_STEPS: u64 = 2;
+/// Applied steps with one of a peer's updates in them after which a peer that arrived later
+/// counts as known: a sustained, checked contribution rather than a one-off proof of work.
+const KNOWN_AFTER_INCLUDED: u32 = 32;
 /// Keys kept per update for copy detection (a consistent hash sample of its kept entries).
 const SKETCH_KEYS: u64 = 1024;
 
@@ -380,6 +397,10 @@ pub struct Engine {
     /// When this engine started listening (summaries before it were never heard).
     since: u64,
     synced_at: u64,
+    /// The step of this engine's first sync (genesis or a checkpoint): peers heard from by
+    /// then are the ones it knew, whose digests may outvote its own. A later resync does not
+    /// move it, or keys that showed up in the meantime would become voters by waiting.
+    first_synced: Option<u64>,
     next_start: u64,
     next_summary: u64,
     steps: BTreeMap<u64, StepState>,
@@ -411,6 +432,12 @@ pub struct Status {
 enum Via {
     Gossip,
     Fetch,
+}
+
+/// Either kind of equivocation proof, as [`Engine::on_proof`] handles both alike.
+enum Proof {
+    Headers(EquivocationProof),
+    Summaries(SummaryEquivocation),
 }
 
 impl Engine {
@@ -446,12 +473,13 @@ impl Engine {
             capabilities: caps::TRAIN | caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS,
             listen: Vec::new(),
             trusted_relays: BTreeSet::new(),
-            sync,
+            sync: sync.clone(),
             version: 0,
             digest,
             applying: None,
             since: now,
             synced_at: now,
+            first_synced: (sync == SyncState::Synced).then_some(0),
             next_start: if now < t.genesis_ms { 0 } else { cur },
             next_summary: if now <= t.publish_deadline(cur.saturating_sub(1)) {
                 cur.saturating_sub(1)
@@ -636,11 +664,34 @@ impl Engine {
     // peers and penalties
 
     fn peer_mut(&mut self, id: NodeId) -> Option<&mut Peer> {
-        // The table is bounded; peers beyond it are still penalized through the transport.
+        // The table is bounded, and full it makes room: a table that kept its first comers
+        // for good let 1,024 throwaway keys stop this node from banning (or rating) anyone
+        // new. The one to go is a stranger with nothing to lose (see `evictable`), else a
+        // disconnected banned key (the transport keeps its own blacklist of those).
         if !self.peers.contains_key(&id) && self.peers.len() >= self.run.limits.max_peers as usize {
-            return None;
+            let victim = self
+                .peers
+                .iter()
+                .find(|(p, e)| self.evictable(p, e))
+                .or_else(|| self.peers.iter().find(|(_, e)| e.banned && !e.connected))
+                .map(|(p, _)| *p)?;
+            self.peers.remove(&victim);
+            self.metrics.evicted_peers += 1;
         }
         Some(self.peers.entry(id).or_default())
+    }
+
+    /// A peer entry worth least: not connected, not banned, not a trusted relay, no passed
+    /// check nor positive reputation, no penalty score, and not a peer whose digest votes
+    /// (`known`).
+    fn evictable(&self, p: &NodeId, e: &Peer) -> bool {
+        !e.connected
+            && !e.banned
+            && e.score == 0
+            && e.rep <= 0
+            && e.passed == 0
+            && !self.trusted_relays.contains(p)
+            && !self.known(p)
     }
 
     fn blame(&mut self, peer: NodeId, error: WireError, out: &mut Vec<Action>) {
@@ -760,12 +811,15 @@ impl Engine {
             }
         };
         match msg {
-            Message::Hello(h) => self.on_hello(from, h, now, out),
+            Message::Hello(h) => self.on_hello(from, h, out),
             Message::Announce { header, blob } => {
                 self.on_announce(from, tag, header, blob, now, out)
             }
             Message::Summary(s) => self.on_summary(from, tag, s, now, out),
-            Message::Equivocation(p) => self.on_proof(from, tag, p, now, out),
+            Message::Equivocation(p) => self.on_proof(from, tag, Proof::Headers(p), now, out),
+            Message::SummaryEquivocation(p) => {
+                self.on_proof(from, tag, Proof::Summaries(p), now, out)
+            }
             Message::Accusation(a) => self.on_accusation(from, tag, a, now, out),
             Message::Update { header, blob }
                 if tag.is_none() && self.capabilities & caps::RELAY != 0 =>
@@ -780,7 +834,7 @@ impl Engine {
         }
     }
 
-    fn on_hello(&mut self, from: NodeId, h: Hello, now: u64, out: &mut Vec<Action>) {
+    fn on_hello(&mut self, from: NodeId, h: Hello, out: &mut Vec<Action>) {
         if h.node != from {
             return self.blame(
                 from,
@@ -808,7 +862,10 @@ impl Engine {
             p.connected = true;
             p.capabilities = h.capabilities;
         }
-        self.add_attest(h.params_version, from, h.params_digest, now);
+        // A Hello's parameter version and digest are a hint for operators, never a vote: a
+        // Hello is neither signed over the run nor priced by proof of work, so counting it let
+        // three throwaway keys declare a node desynced and hand it their parameters. Only
+        // signed summaries attest (`add_attest`).
     }
 
     fn on_announce(
@@ -888,16 +945,16 @@ impl Engine {
             return Err((e, Verdict::Reject));
         }
         let st = self.steps.entry(step).or_default();
-        if st.equivocators.contains_key(&sender) {
+        if st.equivocators.contains(&sender) {
             return Ok(false);
         }
         if let Some(prev) = st.headers.get(&sender) {
             if prev.header.raw == header.raw {
                 return Ok(false);
             }
-            // Two different validly signed headers: keep both as the proof, ban the sender.
+            // Two different validly signed headers: publish both as the proof, ban the sender.
             let proof = EquivocationProof::new(prev.header.clone(), header);
-            st.equivocators.insert(sender, proof.clone());
+            st.equivocators.insert(sender);
             self.metrics.equivocations += 1;
             out.push(Action::Publish {
                 bytes: Message::Equivocation(proof).encode(),
@@ -1051,6 +1108,13 @@ impl Engine {
             if sender == self.me_id {
                 return Err((WireError::Duplicate, Verdict::Ignore));
             }
+            let st = self.steps.entry(step).or_default();
+            if st.equivocators.contains(&sender)
+                || st.summaries.get(&sender).is_some_and(|p| p.raw == s.raw)
+            {
+                // Cheap checks first: a copy of what is held costs no signature check.
+                return Err((WireError::Duplicate, Verdict::Ignore));
+            }
             s.verify().map_err(|e| (e, Verdict::Reject))?;
             if !crypto::pow::check(
                 &self.run_id.0,
@@ -1063,22 +1127,38 @@ impl Engine {
             let max = self.run.limits.max_updates_per_step as usize;
             let st = self.steps.entry(step).or_default();
             if st.summaries.contains_key(&sender) {
-                // A second, different summary is ignored: the first one counts.
-                return Err((WireError::Duplicate, Verdict::Ignore));
+                return Err((WireError::Equivocation { sender, step }, Verdict::Ignore));
             }
             if st.summaries.len() >= max {
                 return Err((WireError::BufferFull("summaries per step"), Verdict::Ignore));
             }
-            st.summaries.insert(sender, s.body.clone());
+            st.summaries.insert(sender, s.clone());
             Ok(())
         })();
         if let Err((e, v)) = res {
             Self::verdict(tag, v, out);
-            if e == WireError::Duplicate {
-                self.metrics.duplicates += 1;
-                return;
+            match e {
+                WireError::Duplicate => self.metrics.duplicates += 1,
+                WireError::Equivocation { .. } => {
+                    // Two different validly signed summaries for one step. The sender's
+                    // summary and updates are out of the step here, and the proof goes to
+                    // everyone so that every node leaves out the same (SECURITY.md).
+                    let st = self.steps.entry(step).or_default();
+                    let prev = st.summaries.remove(&sender).expect("checked above");
+                    st.equivocators.insert(sender);
+                    self.metrics.equivocations += 1;
+                    let frame =
+                        Message::SummaryEquivocation(SummaryEquivocation::new(prev, s)).encode();
+                    // Two summaries of a run whose summaries may be large can exceed a frame:
+                    // then only this node knows (the digest vote repairs the rest).
+                    if frame.len() <= self.run.limits.max_message_bytes as usize {
+                        out.push(Action::Publish { bytes: frame });
+                    }
+                    self.blame(sender, e, out);
+                }
+                _ => self.blame(from, e, out),
             }
-            return self.blame(from, e, out);
+            return;
         }
         Self::verdict(tag, Verdict::Accept, out);
         self.seen(sender, step);
@@ -1096,15 +1176,39 @@ impl Engine {
         self.check_desync(out);
     }
 
+    /// An equivocation proof (two headers or two summaries of one sender and step), from
+    /// gossip. Cheap checks come before the two signature checks, and a proof is kept (and
+    /// forwarded) only if it matters here: its sender sent this node something for the step,
+    /// or the step has room for it. Fresh keys' proofs cost their maker one proof of work per
+    /// key and nothing else; they must not fill tables (issue: item 6).
     fn on_proof(
         &mut self,
         from: NodeId,
         tag: Option<u64>,
-        p: EquivocationProof,
+        p: Proof,
         now: u64,
         out: &mut Vec<Action>,
     ) {
-        let (sender, step) = match p.verify(&self.run_id) {
+        let claims = match &p {
+            Proof::Headers(p) => {
+                let (a, b) = (&p.a.body, &p.b.body);
+                if a.run != self.run_id || b.run != self.run_id {
+                    Err(WireError::WrongRun)
+                } else if a.sender != b.sender || a.step != b.step {
+                    Err(WireError::BadProof("different senders or steps"))
+                } else {
+                    Ok((a.sender, a.step))
+                }
+            }
+            Proof::Summaries(p) => {
+                if p.a.body.run != self.run_id || p.b.body.run != self.run_id {
+                    Err(WireError::WrongRun)
+                } else {
+                    p.claims()
+                }
+            }
+        };
+        let (sender, step) = match claims {
             Ok(x) => x,
             Err(e) => {
                 let v = if e.penalty() > 0 {
@@ -1116,20 +1220,54 @@ impl Engine {
                 return self.blame(from, e, out);
             }
         };
-        if self.in_window(step, now).is_err() {
+        let in_window = self.in_window(step, now).is_ok();
+        let known_here = self.steps.get(&step).is_some_and(|st| {
+            st.headers.contains_key(&sender) || st.summaries.contains_key(&sender)
+        });
+        let dup = self
+            .steps
+            .get(&step)
+            .is_some_and(|st| st.equivocators.contains(&sender));
+        if dup || (self.is_banned(&sender) && !known_here) {
+            self.metrics.duplicates += 1;
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        let full = self.steps.get(&step).is_some_and(|st| {
+            st.equivocators.len() >= self.run.limits.max_updates_per_step as usize
+        });
+        if !in_window && !self.peers.contains_key(&sender) {
+            // Old news about a key this node never heard from: nothing to do.
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        if in_window && full && !known_here && !self.peers.contains_key(&sender) {
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
+        let verified = match &p {
+            Proof::Headers(p) => p.verify(&self.run_id),
+            Proof::Summaries(p) => p.verify(&self.run_id),
+        };
+        if let Err(e) = verified {
+            let v = if e.penalty() > 0 {
+                Verdict::Reject
+            } else {
+                Verdict::Ignore
+            };
+            Self::verdict(tag, v, out);
+            return self.blame(from, e, out);
+        }
+        if in_window {
+            let st = self.steps.entry(step).or_default();
+            st.equivocators.insert(sender);
+            st.summaries.remove(&sender);
+            Self::verdict(tag, Verdict::Accept, out);
+        } else {
             // Old news, but still a valid proof: the sender is banned regardless.
             Self::verdict(tag, Verdict::Ignore, out);
-        } else {
-            let st = self.steps.entry(step).or_default();
-            if st.equivocators.contains_key(&sender) {
-                self.metrics.duplicates += 1;
-                return Self::verdict(tag, Verdict::Ignore, out);
-            }
-            st.equivocators.insert(sender, p);
-            Self::verdict(tag, Verdict::Accept, out);
         }
         self.metrics.equivocations += 1;
-        if !self.is_banned(&sender) {
+        // Only keys already in the peer table are blamed: a proof about a stranger must not
+        // add it there (1,024 such proofs used to fill the table for good).
+        if !self.is_banned(&sender) && self.peers.contains_key(&sender) {
             self.blame(sender, WireError::Equivocation { sender, step }, out);
         }
     }
@@ -1493,23 +1631,75 @@ impl Engine {
             return;
         }
         let max = self.run.limits.max_peers as usize;
+        let who_known = self.known(&who);
+        // When the table is full a known peer takes the place of a stranger: first come must
+        // not let a crowd of fresh keys keep the votes that count out.
+        let evict = match self.attest.get(&version) {
+            Some(m) if m.len() >= max && !m.contains_key(&who) => {
+                if !who_known {
+                    return;
+                }
+                match m.keys().rev().find(|p| !self.known(p)) {
+                    Some(p) => Some(*p),
+                    None => return,
+                }
+            }
+            _ => None,
+        };
         let m = self.attest.entry(version).or_default();
-        if m.len() < max || m.contains_key(&who) {
-            m.insert(who, digest);
+        if let Some(p) = evict {
+            m.remove(&p);
         }
+        m.insert(who, digest);
     }
 
-    /// Peers (not banned) attesting `digest` for `version`.
-    fn attesters(&self, version: u64, digest: &Digest) -> Vec<NodeId> {
-        self.attest
-            .get(&version)
-            .map(|m| {
-                m.iter()
-                    .filter(|(p, d)| *d == digest && !self.is_banned(p) && **p != self.me_id)
-                    .map(|(p, _)| *p)
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// Whether `peer`'s digests count against this node's own: a peer it already heard from
+    /// when it first synced (or within [`KNOWN_GRACE_STEPS`] after), one with a passed spot
+    /// check or positive reputation, one whose updates were in [`KNOWN_AFTER_INCLUDED`]
+    /// applied steps, or a trusted relay; never a banned one. A fresh key costs one proof of
+    /// work: had strangers a vote, a handful of throwaway keys could declare a node desynced
+    /// and hand it their parameters (SECURITY.md, "Forged models").
+    fn known(&self, peer: &NodeId) -> bool {
+        if *peer == self.me_id || self.is_banned(peer) {
+            return false;
+        }
+        if self.trusted_relays.contains(peer) {
+            return true;
+        }
+        let Some(start) = self.first_synced else {
+            return false;
+        };
+        self.peers.get(peer).is_some_and(|p| {
+            p.passed > 0
+                || p.rep > 0
+                || p.included >= KNOWN_AFTER_INCLUDED
+                || p.first_step.is_some_and(|f| f <= start + KNOWN_GRACE_STEPS)
+        })
+    }
+
+    /// The digest the swarm attests for `version` and who attests it, if any: a strict
+    /// majority of the voters, and at least `attest_quorum` of them. The voters are the known
+    /// peers (see [`Engine::known`]) when at least `attest_quorum` of them speak for
+    /// `version`, and only otherwise every peer not banned: a node that knows nobody yet (a
+    /// first-time joiner) has nothing better than numbers, which proof of work prices.
+    fn swarm_digest(&self, version: u64) -> Option<(Digest, Vec<NodeId>)> {
+        let m = self.attest.get(&version)?;
+        let all: Vec<(&NodeId, &Digest)> = m
+            .iter()
+            .filter(|(p, _)| !self.is_banned(p) && **p != self.me_id)
+            .collect();
+        let known: Vec<(&NodeId, &Digest)> =
+            all.iter().copied().filter(|(p, _)| self.known(p)).collect();
+        let quorum = self.run.limits.attest_quorum as usize;
+        let pool = if known.len() >= quorum { known } else { all };
+        let mut tally: BTreeMap<Digest, Vec<NodeId>> = BTreeMap::new();
+        for (p, d) in &pool {
+            tally.entry(**d).or_default().push(**p);
+        }
+        tally
+            .into_iter()
+            .filter(|(_, who)| who.len() >= quorum && 2 * who.len() > pool.len())
+            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then(b.0.cmp(&a.0)))
     }
 
     fn check_desync(&mut self, out: &mut Vec<Action>) {
@@ -1519,20 +1709,24 @@ impl Engine {
         let Some(m) = self.attest.get(&self.version) else {
             return;
         };
+        // Only known peers outvote this node, and only as a strict majority of the known
+        // peers speaking for this version with this node counted on its own side: strangers
+        // (fresh keys) never do, however many.
         let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
+        let mut voters = 1u32;
         for (p, d) in m {
-            if !self.is_banned(p) && *p != self.me_id {
+            if self.known(p) {
+                voters += 1;
                 *tally.entry(*d).or_default() += 1;
             }
         }
-        let mine = tally.get(&self.digest).copied().unwrap_or(0) + 1;
         // Largest count wins; ties go to the smaller digest (any fixed rule will do).
         let best = tally
             .iter()
             .filter(|(d, _)| **d != self.digest)
             .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)));
         if let Some((d, &c)) = best {
-            if c >= self.run.limits.attest_quorum && c > mine {
+            if c >= self.run.limits.attest_quorum && 2 * c > voters {
                 self.metrics.desyncs += 1;
                 out.push(Action::Report(Report::Desync {
                     version: self.version,
@@ -1551,20 +1745,38 @@ impl Engine {
         let SyncState::Joining { requested, loaded } = self.sync.clone() else {
             return;
         };
-        let quorum = self.run.limits.attest_quorum as usize;
         if let Some((v, d)) = loaded {
-            let ok = self.attesters(v, &d).len() >= quorum
-                && self.run.timing.publish_deadline(v) > self.since;
-            if ok {
+            // Only summaries heard in full count: a version whose summaries went out before
+            // this node listened has an incomplete tally here.
+            let verdict = (self.run.timing.publish_deadline(v) > self.since)
+                .then(|| self.swarm_digest(v))
+                .flatten();
+            if verdict.as_ref().is_some_and(|(vd, _)| *vd == d) {
                 self.sync = SyncState::Synced;
                 self.version = v;
                 self.digest = d;
                 self.synced_at = now;
+                if self.first_synced.is_none() {
+                    self.first_synced = Some(self.run.timing.step_at(now));
+                }
                 self.next_start = self.run.timing.step_at(now).max(self.next_start);
                 out.push(Action::Report(Report::Synced {
                     version: v,
                     digest: d,
                 }));
+                return;
+            }
+            if verdict.is_some() {
+                // The swarm attests another digest for this version: what was loaded is not
+                // the swarm's model, whoever served it. Never train on it; ask again.
+                out.push(Action::Report(Report::CheckpointUnattested {
+                    version: v,
+                    digest: d,
+                }));
+                self.sync = SyncState::Joining {
+                    requested: None,
+                    loaded: None,
+                };
                 return;
             }
             let newest = self.attest.keys().next_back().copied().unwrap_or(0);
@@ -1591,20 +1803,15 @@ impl Engine {
         if requested.is_some() {
             return;
         }
-        // Newest (version, digest) attested by a quorum whose summaries we heard.
+        // The newest version whose summaries we heard and for which the swarm attests a
+        // digest (`swarm_digest`); its attesters serve the checkpoint.
         let mut best: Option<(u64, Vec<NodeId>)> = None;
-        for (&v, m) in self.attest.iter().rev() {
+        for &v in self.attest.keys().rev() {
             if self.run.timing.publish_deadline(v) <= self.since {
                 break;
             }
-            let digests: BTreeSet<Digest> = m.values().copied().collect();
-            for d in digests {
-                let who = self.attesters(v, &d);
-                if who.len() >= quorum && best.as_ref().is_none_or(|b| who.len() > b.1.len()) {
-                    best = Some((v, who));
-                }
-            }
-            if best.is_some() {
+            if let Some((_, who)) = self.swarm_digest(v) {
+                best = Some((v, who));
                 break;
             }
         }
@@ -1756,16 +1963,34 @@ impl Engine {
         if self.is_banned(&accuser) || accuser == accused {
             return Self::verdict(tag, Verdict::Ignore, out);
         }
+        // Cheap checks before the signature. An accusation is not priced: only a peer this
+        // node has heard a signed, priced header or summary from may accuse (an honest accuser
+        // is a synced trainer that summarizes every step), one accusation per accuser and step
+        // counts, and a step holds at most `max_updates_per_step` accusers. Fresh keys cannot
+        // fill the store nor spend this node's checks.
+        let heard = self
+            .peers
+            .get(&accuser)
+            .is_some_and(|p| p.first_step.is_some());
+        let max = self.run.limits.max_updates_per_step as usize;
+        let held = self.steps.get(&step).map_or(0, |st| st.accusers.len());
+        if !heard
+            || held >= max
+            || self
+                .steps
+                .get(&step)
+                .is_some_and(|st| st.accusers.contains(&accuser))
+        {
+            // The rest are not forwarded.
+            return Self::verdict(tag, Verdict::Ignore, out);
+        }
         if let Err(e) = a.verify() {
             Self::verdict(tag, Verdict::Reject, out);
             return self.blame(from, e, out);
         }
         let budget = 2 * self.run.defence.spot_checks;
         let st = self.steps.entry(step).or_default();
-        if !st.accusers.insert(accuser) {
-            // One accusation per accuser and step counts: the rest are not forwarded.
-            return Self::verdict(tag, Verdict::Ignore, out);
-        }
+        st.accusers.insert(accuser);
         Self::verdict(tag, Verdict::Accept, out);
         let synced = self.sync == SyncState::Synced;
         if accused != self.me_id && synced && st.repeats < budget {
@@ -1882,21 +2107,11 @@ impl Engine {
         }
     }
 
-    /// The digest most non-banned peers attest for `version`, if at least `attest_quorum` do:
-    /// what a joiner checks a served checkpoint's manifest against.
+    /// The digest the swarm attests for `version` (see `swarm_digest`: a strict majority of the
+    /// known peers, or of all peers while too few known ones speak), if any: what a joiner
+    /// checks a served checkpoint's manifest against.
     pub fn attested_digest(&self, version: u64) -> Option<Digest> {
-        let m = self.attest.get(&version)?;
-        let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
-        for (p, d) in m {
-            if !self.is_banned(p) && *p != self.me_id {
-                *tally.entry(*d).or_default() += 1;
-            }
-        }
-        tally
-            .into_iter()
-            .filter(|(_, c)| *c >= self.run.limits.attest_quorum)
-            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
-            .map(|(d, _)| d)
+        self.swarm_digest(version).map(|(d, _)| d)
     }
 
     /// This peer's local reputation (spot checks and copies; 0 = unknown).
@@ -1934,9 +2149,7 @@ impl Engine {
             let held: Vec<(NodeId, ContentId, bool)> = st
                 .headers
                 .iter()
-                .filter(|(s, e)| {
-                    e.blob.is_some() && !e.invalid && !st.equivocators.contains_key(*s)
-                })
+                .filter(|(s, e)| e.blob.is_some() && !e.invalid && !st.equivocators.contains(*s))
                 .map(|(s, e)| (*s, e.header.body.blob, e.copy))
                 .collect();
             // What this node vouches for: not what its own checks condemned (see `listable`).
@@ -1993,7 +2206,7 @@ impl Engine {
                 for (p, s) in &st.summaries {
                     if !self.peers.get(p).is_some_and(|x| x.banned) {
                         voters += 1;
-                        for id in &s.updates {
+                        for id in &s.body.updates {
                             *votes.entry(*id).or_default() += 1;
                         }
                     }
@@ -2018,7 +2231,7 @@ impl Engine {
                         .and_then(|snd| st.headers.get(snd).map(|e| (snd, e)));
                     match e {
                         Some((snd, e)) if e.blob.is_some() && !e.invalid => {
-                            if !st.equivocators.contains_key(snd) {
+                            if !st.equivocators.contains(snd) {
                                 included.push(Included {
                                     blob: *id,
                                     sender: *snd,
@@ -2036,6 +2249,11 @@ impl Engine {
                 }
                 if !waiting || now >= hard {
                     let n = included.len() as u32;
+                    for u in &included {
+                        if let Some(p) = self.peers.get_mut(&u.sender) {
+                            p.included = p.included.saturating_add(1);
+                        }
+                    }
                     self.metrics.steps_applied += 1;
                     self.metrics.updates_applied += n as u64;
                     self.applying = Some(step);

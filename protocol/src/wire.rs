@@ -43,6 +43,7 @@ pub mod kind {
     pub const MANIFEST: u8 = 6;
     pub const CHUNK: u8 = 7;
     pub const ACCUSATION: u8 = 8;
+    pub const SUMMARY_EQUIVOCATION: u8 = 9;
 }
 
 /// Capability bits in [`Hello`].
@@ -264,6 +265,54 @@ impl EquivocationProof {
     }
 }
 
+/// Two different validly signed step summaries from one sender for one step: the summary
+/// counterpart of [`EquivocationProof`]. One key telling half the swarm one set and the other
+/// half another would make the halves apply different sets; with this proof every node drops
+/// that sender's summary and updates for the step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SummaryEquivocation {
+    /// `a.raw.body < b.raw.body` bytewise, so that one pair has one proof.
+    pub a: Signed<StepSummary>,
+    pub b: Signed<StepSummary>,
+}
+
+impl SummaryEquivocation {
+    pub fn new(x: Signed<StepSummary>, y: Signed<StepSummary>) -> SummaryEquivocation {
+        if x.raw.body <= y.raw.body {
+            SummaryEquivocation { a: x, b: y }
+        } else {
+            SummaryEquivocation { a: y, b: x }
+        }
+    }
+
+    /// The sender and step, from the bodies alone (no signature check): what the engine looks
+    /// at before spending two signature checks on a proof it may not need.
+    pub fn claims(&self) -> Result<(NodeId, u64), WireError> {
+        let (a, b) = (&self.a.body, &self.b.body);
+        if a.sender != b.sender {
+            return Err(WireError::BadProof("different senders"));
+        }
+        if a.step != b.step {
+            return Err(WireError::BadProof("different steps"));
+        }
+        if self.a.raw.body >= self.b.raw.body {
+            return Err(WireError::BadProof("summaries identical or out of order"));
+        }
+        Ok((a.sender, a.step))
+    }
+
+    /// Check the proof for `run`; on success, who equivocated and at which step.
+    pub fn verify(&self, run: &RunId) -> Result<(NodeId, u64), WireError> {
+        if self.a.body.run != *run || self.b.body.run != *run {
+            return Err(WireError::WrongRun);
+        }
+        let who = self.claims()?;
+        self.a.verify()?;
+        self.b.verify()?;
+        Ok(who)
+    }
+}
+
 /// A decoded frame.
 // Decoded messages are short-lived and handled one at a time; boxing the headers would only
 // add allocations.
@@ -287,6 +336,8 @@ pub enum Message {
     Chunk(CheckpointChunk),
     /// Gossip: a failed spot check, for others to repeat.
     Accusation(Signed<Accusation>),
+    /// Gossip: proof that a sender signed two summaries for one step.
+    SummaryEquivocation(SummaryEquivocation),
 }
 
 // Wire shapes of the frames that contain signed parts.
@@ -365,6 +416,7 @@ impl Message {
             Message::Manifest(_) => kind::MANIFEST,
             Message::Chunk(_) => kind::CHUNK,
             Message::Accusation(_) => kind::ACCUSATION,
+            Message::SummaryEquivocation(_) => kind::SUMMARY_EQUIVOCATION,
         }
     }
 
@@ -388,6 +440,10 @@ impl Message {
             Message::Manifest(m) => to_cbor(&m.raw),
             Message::Chunk(c) => to_cbor(c),
             Message::Accusation(a) => to_cbor(&a.raw),
+            Message::SummaryEquivocation(p) => to_cbor(&EquivocationWire {
+                a: p.a.raw.clone(),
+                b: p.b.raw.clone(),
+            }),
         };
         frame(self.kind(), body)
     }
@@ -414,7 +470,7 @@ impl Message {
             return Err(WireError::UnknownVersion(bytes[0]));
         }
         let k = bytes[1];
-        if !(kind::HELLO..=kind::ACCUSATION).contains(&k) {
+        if !(kind::HELLO..=kind::SUMMARY_EQUIVOCATION).contains(&k) {
             return Err(WireError::UnknownKind(k));
         }
         let max = Message::max_frame(k, l);
@@ -456,14 +512,7 @@ impl Message {
             }
             kind::SUMMARY => {
                 let raw: SignedBytes = decode_cbor(body, max, "summary")?;
-                let s: Signed<StepSummary> = Signed::from_raw(raw, max)?;
-                bound(
-                    "summary updates",
-                    s.body.updates.len(),
-                    l.max_updates_per_step as usize,
-                )?;
-                ascending("summary updates", &s.body.updates)?;
-                Message::Summary(s)
+                Message::Summary(summary(raw, max, l)?)
             }
             kind::EQUIVOCATION => {
                 let w: EquivocationWire = decode_cbor(body, max, "equivocation proof")?;
@@ -499,10 +548,29 @@ impl Message {
                 let raw: SignedBytes = decode_cbor(body, max, "accusation")?;
                 Message::Accusation(Signed::from_raw(raw, hb)?)
             }
+            kind::SUMMARY_EQUIVOCATION => {
+                let w: EquivocationWire = decode_cbor(body, max, "summary equivocation proof")?;
+                Message::SummaryEquivocation(SummaryEquivocation {
+                    a: summary(w.a, max, l)?,
+                    b: summary(w.b, max, l)?,
+                })
+            }
             _ => unreachable!("kind range checked above"),
         };
         Ok(msg)
     }
+}
+
+/// A signed summary's body, decoded and bounded as in a `Summary` frame.
+fn summary(raw: SignedBytes, max: usize, l: &Limits) -> Result<Signed<StepSummary>, WireError> {
+    let s: Signed<StepSummary> = Signed::from_raw(raw, max)?;
+    bound(
+        "summary updates",
+        s.body.updates.len(),
+        l.max_updates_per_step as usize,
+    )?;
+    ascending("summary updates", &s.body.updates)?;
+    Ok(s)
 }
 
 fn bound(what: &'static str, n: usize, max: usize) -> Result<(), WireError> {

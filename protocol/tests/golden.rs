@@ -13,7 +13,8 @@ use common::*;
 use crypto::{to_hex, ContentId, Digest, Identity};
 use protocol::checkpoint::{CheckpointChunk, CheckpointManifest, Dtype};
 use protocol::wire::{
-    caps, domain, EquivocationProof, Hello, Message, Signed, StepSummary, PROTOCOL_VERSION,
+    caps, domain, EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation,
+    PROTOCOL_VERSION,
 };
 
 fn dir() -> PathBuf {
@@ -51,6 +52,19 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
         },
         &b,
     ));
+    // The same sender's second summary for step 3, listing nothing: with the first, a proof.
+    let Message::Summary(s1) = &summary else {
+        unreachable!()
+    };
+    let s2 = Signed::sign(
+        StepSummary {
+            updates: vec![],
+            ..s1.body.clone()
+        },
+        &b,
+    );
+    let summary_equivocation =
+        Message::SummaryEquivocation(SummaryEquivocation::new(s1.clone(), s2));
     let t1 = [1u8, 2, 3, 4, 5, 6, 7, 8];
     let t2 = [9u8, 10, 11, 12];
     let manifest = CheckpointManifest::build(
@@ -99,6 +113,7 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
             "equivocation",
             Message::Equivocation(EquivocationProof::new(header.clone(), other)).encode(),
         ),
+        ("summary_equivocation", summary_equivocation.encode()),
         ("update", Message::Update { header, blob }.encode()),
         (
             "manifest",
@@ -159,6 +174,9 @@ fn golden_frames_decode_and_reencode() {
             Message::Summary(s) => s.verify().unwrap(),
             Message::Manifest(s) => s.verify().unwrap(),
             Message::Equivocation(p) => {
+                p.verify(&run.run_id()).unwrap();
+            }
+            Message::SummaryEquivocation(p) => {
                 p.verify(&run.run_id()).unwrap();
             }
             _ => {}

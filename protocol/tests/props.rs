@@ -11,7 +11,9 @@ use proptest::prelude::*;
 use protocol::cbor::precheck;
 use protocol::checkpoint::{CheckpointChunk, CheckpointManifest, Dtype};
 use protocol::engine::{Engine, Event};
-use protocol::wire::{EquivocationProof, Hello, Message, Signed, StepSummary, UpdateRules};
+use protocol::wire::{
+    EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation, UpdateRules,
+};
 
 fn cfg() -> ProptestConfig {
     ProptestConfig {
@@ -71,6 +73,9 @@ fn check_frame(bytes: &[u8]) {
         if let Message::Equivocation(p) = &m {
             let _ = p.verify(&run.run_id());
         }
+        if let Message::SummaryEquivocation(p) = &m {
+            let _ = p.verify(&run.run_id());
+        }
     }
 }
 
@@ -90,10 +95,18 @@ proptest! {
         let id = Identity::from_seed([seed; 32]);
         let updates: Vec<ContentId> = ids.into_iter().map(ContentId).collect();
         let s = Signed::sign(StepSummary { run: Digest([1; 32]), step, sender: id.node_id(), updates, params_version: v, params_digest: Digest([2; 32]), pow: 0 }, &id);
-        let m = Message::Summary(s);
+        let other = Signed::sign(StepSummary { params_version: v ^ 1, ..s.body.clone() }, &id);
+        let m = Message::Summary(s.clone());
         let back = Message::decode(&m.encode(), &test_run(true).limits).unwrap();
         if let Message::Summary(s) = &back { s.verify().unwrap(); }
         prop_assert_eq!(back, m);
+        // Two of them are a proof that checks out, and round-trips.
+        let p = Message::SummaryEquivocation(SummaryEquivocation::new(s, other));
+        let back = Message::decode(&p.encode(), &test_run(true).limits).unwrap();
+        if let Message::SummaryEquivocation(p) = &back {
+            prop_assert_eq!(p.verify(&Digest([1; 32])).unwrap(), (id.node_id(), step));
+        }
+        prop_assert_eq!(back, p);
     }
 
     #[test]

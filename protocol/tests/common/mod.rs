@@ -144,6 +144,13 @@ pub struct Sim {
     pub harmful: std::collections::BTreeSet<usize>,
     /// node → victim: the node publishes the victim's update with one entry changed.
     pub copies: BTreeMap<usize, usize>,
+    /// Whether a node that accepts an injected message forwards it to every other node, as
+    /// gossipsub does after an `Accept` verdict (engines' own publishes always flood).
+    pub forward_injected: bool,
+    /// Tags of injected (or forwarded) messages → their bytes, for `forward_injected`.
+    injected: BTreeMap<u64, Vec<u8>>,
+    /// Update frames that peers outside the simulation (attackers) serve, by blob id.
+    pub served: BTreeMap<ContentId, Vec<u8>>,
 }
 
 impl Sim {
@@ -159,6 +166,9 @@ impl Sim {
             drop: Box::new(|_, _, _, _| false),
             harmful: Default::default(),
             copies: BTreeMap::new(),
+            forward_injected: false,
+            injected: BTreeMap::new(),
+            served: BTreeMap::new(),
         };
         for i in 0..n {
             s.add_node(i as u8, Some(genesis_digest()));
@@ -205,6 +215,7 @@ impl Sim {
     /// Deliver raw bytes to node `to` as gossip from `from`.
     pub fn inject(&mut self, at: u64, to: usize, from: NodeId, bytes: Vec<u8>) {
         let tag = self.seq + 1_000_000;
+        self.injected.insert(tag, bytes.clone());
         self.push(
             at,
             to,
@@ -277,11 +288,23 @@ impl Sim {
                     );
                 }
             }
+            Action::Verdict {
+                tag,
+                verdict: protocol::engine::Verdict::Accept,
+            } if self.forward_injected && self.injected.contains_key(&tag) => {
+                let bytes = self.injected[&tag].clone();
+                for j in 0..self.nodes.len() {
+                    if j != me {
+                        self.inject(now + lat, j, my_id, bytes.clone());
+                    }
+                }
+            }
             Action::Fetch { peer, blob } => {
-                let resp = self
-                    .index(&peer)
-                    .filter(|&j| self.nodes[j].alive)
-                    .and_then(|j| self.nodes[j].engine.serve_update(&blob));
+                let resp = match self.index(&peer) {
+                    Some(j) if self.nodes[j].alive => self.nodes[j].engine.serve_update(&blob),
+                    Some(_) => None,
+                    None => self.served.get(&blob).cloned(),
+                };
                 let ev = match resp {
                     Some(bytes) => Event::Fetched {
                         from: peer,

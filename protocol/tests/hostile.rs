@@ -1,0 +1,382 @@
+//! Attacks a few throwaway keys can mount on a node's view of the swarm's parameters (issue
+//! "Close the holes a few throwaway keys can open", item 1, and SECURITY.md "Forged models"),
+//! each mounted against engines in the in-memory network: unsigned Hellos, signed summaries of
+//! fresh keys, a crowd filling the attestation table, and a checkpoint the swarm did not attest.
+
+mod common;
+
+use common::*;
+use crypto::{Digest, Identity, NodeId};
+use protocol::engine::{Action, Event, Report};
+use protocol::run::RunConfig;
+use protocol::wire::{Message, Signed, StepSummary};
+
+fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
+    let h0 = sim.history(nodes[0]);
+    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
+    for &i in &nodes[1..] {
+        let h = sim.history(i);
+        for (step, v) in &h0 {
+            if let Some(w) = h.get(step) {
+                assert_eq!(v, w, "node {i} disagrees at step {step}");
+            }
+        }
+        let last = h.keys().next_back().copied().unwrap_or(0);
+        let last0 = *h0.keys().next_back().unwrap();
+        assert!(last + 1 >= last0, "node {i} fell behind: {last} vs {last0}");
+    }
+}
+
+fn forged() -> Digest {
+    Digest::of(b"the attacker's parameters")
+}
+
+fn strangers(n: u8) -> Vec<Identity> {
+    (0..n).map(|i| Identity::from_seed([180 + i; 32])).collect()
+}
+
+/// A signed summary by `id` for `step` that lists nothing and claims `digest` for `version`.
+fn summary(run: &RunConfig, id: &Identity, step: u64, version: u64, digest: Digest) -> Vec<u8> {
+    let body = StepSummary {
+        run: run.run_id(),
+        step,
+        sender: id.node_id(),
+        updates: vec![],
+        params_version: version,
+        params_digest: digest,
+        pow: crypto::pow::solve(&run.run_id().0, &id.node_id(), run.defence.pow_bits),
+    };
+    Message::Summary(Signed::sign(body, id)).encode()
+}
+
+fn desynced(sim: &Sim, i: usize) -> bool {
+    sim.actions(i)
+        .any(|a| matches!(a, Action::Report(Report::Desync { .. })))
+}
+
+fn asked_any_of(sim: &Sim, i: usize, who: &[NodeId]) -> bool {
+    sim.actions(i).any(|a| {
+        matches!(a, Action::RequestCheckpoint { peers, .. } if peers.iter().any(|p| who.contains(p)))
+    })
+}
+
+/// Item 1 as reported: three keys send Hellos claiming every version the victim will reach,
+/// with a forged digest. A Hello is neither signed over the run nor priced, so it never votes:
+/// the victim neither declares a desync nor asks the liars for a checkpoint.
+#[test]
+fn unsigned_hellos_claiming_another_digest_do_not_outvote_a_node() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let liars = strangers(3);
+    for (k, m) in liars.iter().enumerate() {
+        for v in 0..10u64 {
+            let hello = Message::Hello(protocol::wire::Hello {
+                version: protocol::wire::PROTOCOL_VERSION,
+                run: run.run_id(),
+                node: m.node_id(),
+                capabilities: u64::MAX,
+                listen: vec![],
+                params_version: v,
+                params_digest: forged(),
+            });
+            // Just after the victim reaches version v (step v−1 applied).
+            let at = run.timing.apply_at(v.saturating_sub(1)) + 20 + k as u64;
+            sim.push(
+                at,
+                0,
+                Event::Message {
+                    from: m.node_id(),
+                    tag: None,
+                    bytes: hello.encode(),
+                },
+            );
+        }
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    assert!(!desynced(&sim, 0), "a Hello voted");
+    assert!(sim.nodes[0].engine.status().synced);
+    let ids: Vec<NodeId> = liars.iter().map(|m| m.node_id()).collect();
+    assert!(!asked_any_of(&sim, 0, &ids));
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}
+
+/// Signed, priced summaries of keys first heard long after the victim synced claim the
+/// victim's version with a forged digest, more of them than the honest peers. They are
+/// strangers: only peers the node knew (present at its sync, reputable, or long contributors)
+/// outvote it, so nothing happens.
+#[test]
+fn signed_summaries_of_fresh_keys_do_not_outvote_a_node() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let liars = strangers(8);
+    for step in 4..9u64 {
+        for (k, m) in liars.iter().enumerate() {
+            let at = run.timing.publish_deadline(step) + 30 + k as u64;
+            sim.inject(at, 0, m.node_id(), summary(&run, m, step, step, forged()));
+        }
+    }
+    sim.run_until(GENESIS + 11 * PERIOD);
+    assert!(!desynced(&sim, 0), "strangers outvoted the known peers");
+    let ids: Vec<NodeId> = liars.iter().map(|m| m.node_id()).collect();
+    assert!(!asked_any_of(&sim, 0, &ids));
+    assert_agree(&sim, &[0, 1, 2, 3], 9);
+}
+
+/// A node whose own parameters really are wrong still resyncs on the known peers' digest,
+/// though a crowd of strangers got to its attestation table first (it holds only as many
+/// entries per version as `max_peers`) and claims a forged digest: known peers take the
+/// strangers' places, and the checkpoint comes from them.
+#[test]
+fn a_crowd_of_strangers_neither_outvotes_nor_crowds_out_the_known_peers() {
+    let mut run = test_run(false);
+    run.limits.max_peers = 12;
+    let mut sim = Sim::new(run.clone(), 4);
+    let liars = strangers(12);
+    sim.run_until(GENESIS + 2 * PERIOD + 700);
+    sim.nodes[3].corrupt();
+    for step in 3..8u64 {
+        for (k, m) in liars.iter().enumerate() {
+            // Before any honest summary of the step.
+            let at = run.timing.publish_deadline(step) - 50 + k as u64;
+            sim.inject(at, 3, m.node_id(), summary(&run, m, step, step, forged()));
+        }
+    }
+    sim.run_until(GENESIS + 11 * PERIOD);
+    let ids: Vec<NodeId> = liars.iter().map(|m| m.node_id()).collect();
+    assert!(
+        !asked_any_of(&sim, 3, &ids),
+        "asked a stranger for a checkpoint"
+    );
+    assert!(sim.actions(3).any(|a| matches!(
+        a,
+        Action::Report(Report::Desync { majority, .. }) if *majority != forged()
+    )));
+    assert!(sim.nodes[3].engine.status().synced);
+    let (h0, h3) = (sim.history(0), sim.history(3));
+    let last = *h3.keys().next_back().unwrap();
+    assert!(last >= 9, "node 3 applied only up to step {last}");
+    assert_eq!(h0[&last], h3[&last]);
+}
+
+/// Item 2 in the engine: a joiner handed a checkpoint whose digest is not the one the swarm
+/// attests for its version (a lying server) reports it unattested at once instead of waiting
+/// for votes that will not come, never trains on it, and joins on the swarm's parameters.
+#[test]
+fn a_checkpoint_whose_digest_the_swarm_contradicts_is_dropped_at_once() {
+    let mut sim = Sim::new(test_run(false), 4);
+    sim.run_until(GENESIS + 3 * PERIOD + 300);
+    let j = sim.add_node(9, None);
+    // Step the network until the joiner asks for a checkpoint of an attested version.
+    let mut version = None;
+    while version.is_none() && sim.now < GENESIS + 10 * PERIOD {
+        let t = sim.now + 1;
+        sim.run_until(t);
+        version = sim.actions(j).find_map(|a| match a {
+            Action::RequestCheckpoint { min_version, .. } => Some(*min_version),
+            _ => None,
+        });
+    }
+    let v = version.expect("the joiner asked for a checkpoint");
+    // A lying server's checkpoint lands first.
+    let at = sim.now + 1;
+    sim.push(
+        at,
+        j,
+        Event::CheckpointLoaded {
+            version: v,
+            digest: forged(),
+        },
+    );
+    sim.run_until(at);
+    let dropped = sim.nodes[j].log.iter().any(|(t, a)| {
+        *t == at
+            && matches!(a, Action::Report(Report::CheckpointUnattested { version, digest })
+                if *version == v && *digest == forged())
+    });
+    assert!(
+        dropped,
+        "the contradicted checkpoint was not dropped at once"
+    );
+    assert!(!sim.nodes[j].engine.status().synced);
+    sim.run_until(GENESIS + 12 * PERIOD);
+    assert!(sim.nodes[j].engine.status().synced);
+    assert!(!sim.actions(j).any(|a| matches!(
+        a,
+        Action::Report(Report::Synced { digest, .. }) if *digest == forged()
+    )));
+    assert_agree(&sim, &[0, 1, 2, 3, j], 10);
+}
+
+/// Item 7: one key signs two summaries for each step, one listing an update only it serves
+/// (sent to half the swarm), one listing nothing (sent to the other half), after the publish
+/// deadline so that no honest summary lists that update. With the first summary counting, the
+/// halves applied different sets every step, and an even split never resynced. Now a node that
+/// sees both (gossip forwards each) publishes a proof, and every node leaves that sender's
+/// summary and update out: one set everywhere.
+#[test]
+fn a_key_that_signs_two_summaries_for_a_step_forks_nobody() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 4);
+    sim.forward_injected = true;
+    let m = Identity::from_seed([177; 32]);
+    let mut forged_ids = Vec::new();
+    for step in 3..8u64 {
+        let blob = make_update(&run, 9000 + step).encode();
+        let header = signed_header(&run, &m, step, &blob);
+        let id = header.body.blob;
+        forged_ids.push(id);
+        sim.served.insert(
+            id,
+            Message::Update {
+                header,
+                blob: blob.clone(),
+            }
+            .encode(),
+        );
+        let body = |updates: Vec<crypto::ContentId>| StepSummary {
+            run: run.run_id(),
+            step,
+            sender: m.node_id(),
+            updates,
+            params_version: step,
+            params_digest: forged(),
+            pow: 0,
+        };
+        let s1 = Message::Summary(Signed::sign(body(vec![id]), &m)).encode();
+        let s2 = Message::Summary(Signed::sign(body(vec![]), &m)).encode();
+        let at = run.timing.publish_deadline(step) + 20;
+        for i in 0..4 {
+            let s = if i < 2 { &s1 } else { &s2 };
+            sim.inject(at, i, m.node_id(), s.clone());
+        }
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    for i in 0..4 {
+        for (step, (ids, _)) in sim.history(i) {
+            assert!(
+                !ids.iter().any(|id| forged_ids.contains(id)),
+                "node {i} applied the equivocator's update at step {step}"
+            );
+        }
+        assert!(!desynced(&sim, i), "node {i} desynced");
+    }
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+    assert!(sim.actions(0).chain(sim.actions(2)).any(|a| matches!(
+        a,
+        Action::Publish { bytes } if bytes.get(1) == Some(&protocol::wire::kind::SUMMARY_EQUIVOCATION)
+    )));
+    for i in 0..4 {
+        assert!(
+            sim.nodes[i].engine.is_banned(&m.node_id()),
+            "node {i} did not ban it"
+        );
+    }
+}
+
+/// Two different signed headers of `id` for `step`: an equivocation proof frame.
+fn header_proof(run: &RunConfig, id: &Identity, step: u64) -> Vec<u8> {
+    let a = signed_header(run, id, step, &make_update(run, 7000 + step).encode());
+    let b = signed_header(run, id, step, &make_update(run, 7100 + step).encode());
+    Message::Equivocation(protocol::wire::EquivocationProof::new(a, b)).encode()
+}
+
+/// Item 6: proofs about fresh keys (free to make: two signatures each) used to add each key to
+/// the peer table, which was never evicted; once full, no new peer could be banned. Now a proof
+/// about a stranger adds nothing there, and a key that then equivocates is banned.
+#[test]
+fn proofs_about_fresh_keys_do_not_stop_a_node_from_banning() {
+    let mut run = test_run(true);
+    run.limits.max_peers = 16;
+    let mut sim = Sim::new(run.clone(), 4);
+    for (k, m) in strangers(40).iter().enumerate() {
+        let at = run.timing.step_start(3) + 10 + k as u64;
+        sim.inject(at, 0, m.node_id(), header_proof(&run, m, 3));
+    }
+    let cheat = Identity::from_seed([178; 32]);
+    let at = run.timing.step_start(4) + 100;
+    for seed in [1u64, 2] {
+        let blob = make_update(&run, 6000 + seed).encode();
+        sim.inject(
+            at + seed,
+            0,
+            cheat.node_id(),
+            announce(&run, &cheat, 4, &blob),
+        );
+    }
+    sim.run_until(GENESIS + 7 * PERIOD);
+    assert!(sim.nodes[0].engine.is_banned(&cheat.node_id()));
+    assert_agree(&sim, &[0, 1, 2, 3], 5);
+}
+
+/// Item 6, the table itself: sixteen fresh keys with valid summaries fill a 16-entry peer table
+/// first; a key that then equivocates still gets an entry (a stranger's is evicted) and is
+/// banned.
+#[test]
+fn a_full_peer_table_makes_room_for_an_offender() {
+    let mut run = test_run(true);
+    run.limits.max_peers = 16;
+    let mut sim = Sim::new(run.clone(), 4);
+    for (k, m) in strangers(16).iter().enumerate() {
+        let at = run.timing.publish_deadline(3) + 30 + k as u64;
+        sim.inject(at, 0, m.node_id(), summary(&run, m, 3, 3, forged()));
+    }
+    let cheat = Identity::from_seed([178; 32]);
+    let at = run.timing.step_start(5) + 100;
+    for seed in [1u64, 2] {
+        let blob = make_update(&run, 6000 + seed).encode();
+        sim.inject(
+            at + seed,
+            0,
+            cheat.node_id(),
+            announce(&run, &cheat, 5, &blob),
+        );
+    }
+    sim.run_until(GENESIS + 8 * PERIOD);
+    assert!(sim.nodes[0].engine.is_banned(&cheat.node_id()));
+    assert!(sim.nodes[0].engine.metrics().evicted_peers > 0);
+    assert_agree(&sim, &[0, 1, 2, 3], 5);
+}
+
+/// Item 6, accusations: they are signed but not priced, so a crowd of fresh keys accusing an
+/// honest peer used to spend the victim's repeat-check budget and fill the step's store. Only
+/// peers heard from (a signed, priced header or summary) may accuse now.
+#[test]
+fn accusations_from_fresh_keys_are_not_repeated_nor_forwarded() {
+    let mut run = test_run(true);
+    run.defence.spot_checks = 1;
+    run.defence.accuse = true;
+    let mut sim = Sim::new(run.clone(), 4);
+    sim.run_until(run.timing.step_start(3) + 600);
+    let victim = sim.nodes[1].id;
+    // The victim's step-3 update, as the simulated trainer made it (seed = node << 32 | step).
+    let blob = crypto::ContentId::of(&make_update(&run, 1 << 32 | 3).encode());
+    assert!(sim.history(0).is_empty() || sim.nodes[0].engine.serve_update(&blob).is_some());
+    let before = sim.nodes[0].engine.metrics().repeated_checks;
+    let start = sim.nodes[0].log.len();
+    for (k, m) in strangers(50).iter().enumerate() {
+        let acc = protocol::wire::Accusation {
+            run: run.run_id(),
+            step: 3,
+            accuser: m.node_id(),
+            accused: victim,
+            blob,
+        };
+        let at = sim.now + 1 + k as u64;
+        sim.inject(
+            at,
+            0,
+            m.node_id(),
+            Message::Accusation(Signed::sign(acc, m)).encode(),
+        );
+    }
+    sim.run_until(GENESIS + 6 * PERIOD);
+    assert_eq!(sim.nodes[0].engine.metrics().repeated_checks, before);
+    let forwarded = sim.nodes[0].log[start..].iter().any(|(_, a)| {
+        matches!(a, Action::Verdict { tag, verdict: protocol::engine::Verdict::Accept } if *tag >= 1_000_000)
+    });
+    assert!(
+        !forwarded,
+        "a stranger's accusation was accepted for forwarding"
+    );
+    assert_agree(&sim, &[0, 1, 2, 3], 4);
+}
