@@ -274,6 +274,8 @@ pub struct Metrics {
     pub equivocations: u64,
     /// Peer entries dropped to make room in the full peer table.
     pub evicted_peers: u64,
+    /// Fetch wants dropped to make room for ones of higher priority.
+    pub evicted_wants: u64,
     pub fetches: u64,
     pub fetch_failures: u64,
     pub steps_applied: u64,
@@ -338,12 +340,45 @@ struct Want {
     inflight: Option<NodeId>,
     /// Gossip tags whose verdict waits on this blob.
     tags: Vec<u64>,
+    /// A held, signed header names this blob.
+    headed: bool,
+    /// Summary senders that listed it (the first two: all that the priority needs).
+    listers: Vec<NodeId>,
+    /// A trusted relay or a known peer listed it.
+    vouched: bool,
 }
 
 impl Want {
     fn exhausted(&self) -> bool {
         self.inflight.is_none() && self.tried.iter().all(|&t| t)
     }
+
+    /// What a full fetch queue keeps: a blob a held header names (2), one that two
+    /// independent summaries or a trusted or known peer list (1), one a single stranger's
+    /// summary lists (0): invented ids come only that way, and must not crowd out the rest.
+    fn priority(&self) -> u8 {
+        if self.headed {
+            2
+        } else if self.vouched || self.listers.len() >= 2 {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// The stranger whose summary alone asks for this blob, if it is priority 0.
+    fn lone_lister(&self) -> Option<NodeId> {
+        (self.priority() == 0).then(|| self.listers.first().copied()).flatten()
+    }
+}
+
+/// Why a blob is wanted (see [`Want::priority`]).
+#[derive(Clone, Copy)]
+enum Why {
+    /// A held header names it.
+    Header,
+    /// This peer's summary lists it.
+    Listed(NodeId),
 }
 
 #[derive(Default)]
@@ -409,6 +444,8 @@ pub struct Engine {
     /// which earlier step a node happened to see those bytes in.
     by_blob: BTreeMap<(ContentId, u64), NodeId>,
     wants: BTreeMap<ContentId, Want>,
+    /// Priority-0 wants per summary sender (see `want`).
+    lone: BTreeMap<NodeId, u32>,
     inflight: usize,
     peers: BTreeMap<NodeId, Peer>,
     /// version → reporter → digest, from summaries and hellos.
@@ -489,6 +526,7 @@ impl Engine {
             steps: BTreeMap::new(),
             by_blob: BTreeMap::new(),
             wants: BTreeMap::new(),
+            lone: BTreeMap::new(),
             inflight: 0,
             peers: BTreeMap::new(),
             attest: BTreeMap::new(),
@@ -898,7 +936,7 @@ impl Engine {
             None => {
                 // Whoever relayed the header forwards only what it verified: after a first-hop
                 // relay (see `sources`), ask it, then the sender.
-                let added = self.want(id, step, &self.sources(from, sender), out);
+                let added = self.want(id, step, Why::Header, &self.sources(from, sender), out);
                 match (added, tag) {
                     (true, Some(t)) => self.wants.get_mut(&id).expect("just added").tags.push(t),
                     (false, _) => Self::verdict(tag, Verdict::Ignore, out),
@@ -1170,7 +1208,7 @@ impl Engine {
                 .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
                 .is_some_and(|e| e.blob.is_some() || e.invalid);
             if !held {
-                self.want(*id, step, &self.sources(sender, from), out);
+                self.want(*id, step, Why::Listed(sender), &self.sources(sender, from), out);
             }
         }
         self.check_desync(out);
@@ -1376,28 +1414,93 @@ impl Engine {
     // fetching
 
     /// Want `id` for `step`, from these candidates (in order of preference). Returns whether a
-    /// want exists for it now.
-    fn want(&mut self, id: ContentId, step: u64, from: &[NodeId], out: &mut Vec<Action>) -> bool {
+    /// want exists for it now. The queue is bounded, and full it keeps the wants of highest
+    /// priority (`Want::priority`): a new want takes the place of a lower one not in flight.
+    /// A single stranger's summary may hold at most `max_fetch_queue / 8` priority-0 wants:
+    /// four summaries of invented ids used to fill the whole queue, leaving honest headers
+    /// unfetched and nothing applied.
+    fn want(
+        &mut self,
+        id: ContentId,
+        step: u64,
+        why: Why,
+        from: &[NodeId],
+        out: &mut Vec<Action>,
+    ) -> bool {
         let l = &self.run.limits;
         let (max_q, max_c) = (l.max_fetch_queue as usize, l.max_fetch_candidates as usize);
-        if !self.wants.contains_key(&id) {
-            if self.wants.len() >= max_q {
-                out.push(Action::Report(Report::Ignored {
-                    from: from[0],
-                    error: WireError::BufferFull("fetch queue"),
-                }));
-                return false;
+        let per_lister = (max_q / 8).max(1) as u32;
+        let vouch = match why {
+            Why::Listed(p) => self.trusted_relays.contains(&p) || self.known(&p),
+            Why::Header => false,
+        };
+        let who = from.first().copied().unwrap_or(self.me_id);
+        let refuse = |out: &mut Vec<Action>, what| {
+            out.push(Action::Report(Report::Ignored {
+                from: who,
+                error: WireError::BufferFull(what),
+            }));
+            false
+        };
+        let before = self.wants.get(&id).map(|w| (w.lone_lister(), w.priority()));
+        let new = Want {
+            step,
+            candidates: Vec::new(),
+            tried: Vec::new(),
+            inflight: None,
+            tags: Vec::new(),
+            headed: matches!(why, Why::Header),
+            listers: match why {
+                Why::Listed(p) => vec![p],
+                Why::Header => Vec::new(),
+            },
+            vouched: vouch,
+        };
+        match before {
+            None => {
+                if let Some(p) = new.lone_lister() {
+                    if self.lone.get(&p).copied().unwrap_or(0) >= per_lister {
+                        return refuse(out, "fetches asked by one summary");
+                    }
+                }
+                if self.wants.len() >= max_q {
+                    // Make room: the lowest-priority want not in flight, exhausted ones first.
+                    let p = new.priority();
+                    let victim = self
+                        .wants
+                        .iter()
+                        .filter(|(_, w)| w.inflight.is_none() && w.priority() < p)
+                        .min_by_key(|(_, w)| (w.priority(), !w.exhausted()))
+                        .map(|(id, _)| *id);
+                    match victim {
+                        Some(v) => {
+                            self.metrics.evicted_wants += 1;
+                            self.resolve_want(v, Verdict::Ignore, out);
+                        }
+                        None => return refuse(out, "fetch queue"),
+                    }
+                }
+                if let Some(p) = new.lone_lister() {
+                    *self.lone.entry(p).or_default() += 1;
+                }
+                self.wants.insert(id, new);
             }
-            self.wants.insert(
-                id,
-                Want {
-                    step,
-                    candidates: Vec::new(),
-                    tried: Vec::new(),
-                    inflight: None,
-                    tags: Vec::new(),
-                },
-            );
+            Some((lone, _)) => {
+                let w = self.wants.get_mut(&id).expect("present");
+                match why {
+                    Why::Header => w.headed = true,
+                    Why::Listed(p) => {
+                        if w.listers.len() < 2 && !w.listers.contains(&p) {
+                            w.listers.push(p);
+                        }
+                    }
+                }
+                w.vouched |= vouch;
+                let now_lone = w.lone_lister();
+                if lone.is_some() && now_lone.is_none() {
+                    self.unlone(lone);
+                }
+            }
         }
         let banned: Vec<bool> = from
             .iter()
@@ -1413,8 +1516,21 @@ impl Engine {
         true
     }
 
+    /// One priority-0 want of `lister` fewer.
+    fn unlone(&mut self, lister: Option<NodeId>) {
+        if let Some(p) = lister {
+            if let Some(c) = self.lone.get_mut(&p) {
+                *c = c.saturating_sub(1);
+                if *c == 0 {
+                    self.lone.remove(&p);
+                }
+            }
+        }
+    }
+
     fn resolve_want(&mut self, id: ContentId, v: Verdict, out: &mut Vec<Action>) {
         if let Some(w) = self.wants.remove(&id) {
+            self.unlone(w.lone_lister());
             if w.inflight.is_some() {
                 self.inflight -= 1;
             }
@@ -1426,13 +1542,16 @@ impl Engine {
 
     fn pump(&mut self, out: &mut Vec<Action>) {
         let max = self.run.limits.max_inflight_fetches as usize;
-        let ids: Vec<ContentId> = self
+        // Highest priority first (see `Want::priority`), so that invented ids asked for by
+        // one summary never keep the slots from blobs a held header names.
+        let mut ids: Vec<(u8, ContentId)> = self
             .wants
             .iter()
             .filter(|(_, w)| w.inflight.is_none())
-            .map(|(id, _)| *id)
+            .map(|(id, w)| (2 - w.priority(), *id))
             .collect();
-        for id in ids {
+        ids.sort_unstable();
+        for (_, id) in ids {
             if self.inflight >= max {
                 break;
             }

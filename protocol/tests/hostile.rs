@@ -380,3 +380,41 @@ fn accusations_from_fresh_keys_are_not_repeated_nor_forwarded() {
     );
     assert_agree(&sim, &[0, 1, 2, 3], 4);
 }
+
+/// Item 4: ten strangers' summaries list 200 invented ids each at the start of every step,
+/// before the honest headers (whose blobs are fetched, not inline) arrive. With a first-come
+/// 1,024-entry fetch queue, four of them were enough to leave every honest blob unfetched and
+/// every step empty. Now one summary holds at most 128 priority-0 wants, and a blob a held
+/// header names takes the place of an invented one.
+#[test]
+fn invented_ids_in_summaries_do_not_crowd_out_honest_fetches() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let liars = strangers(10);
+    for step in 3..8u64 {
+        for (k, m) in liars.iter().enumerate() {
+            let mut ids: Vec<crypto::ContentId> = (0..200u32)
+                .map(|i| crypto::ContentId::of(&[&step.to_le_bytes()[..], &[k as u8], &i.to_le_bytes()].concat()))
+                .collect();
+            ids.sort();
+            let body = StepSummary {
+                run: run.run_id(),
+                step,
+                sender: m.node_id(),
+                updates: ids,
+                params_version: step,
+                params_digest: forged(),
+                pow: 0,
+            };
+            let at = run.timing.step_start(step) + 1 + k as u64;
+            sim.inject(at, 0, m.node_id(), Message::Summary(Signed::sign(body, m)).encode());
+        }
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    let h = sim.history(0);
+    for step in 3..8u64 {
+        assert_eq!(h[&step].0.len(), 4, "node 0 applied {:?} at step {step}", h[&step].0.len());
+    }
+    assert!(sim.nodes[0].engine.metrics().evicted_wants > 0);
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}
