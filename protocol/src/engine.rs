@@ -315,6 +315,9 @@ struct Entry {
     sketch: Vec<u64>,
     /// Taken for a copy of an earlier update of this step.
     copy: bool,
+    /// The header's length contradicts the bytes of the blob it names (they hash to its id):
+    /// its signer lied, and the blob id is free for a header that tells the truth.
+    contradicted: bool,
 }
 
 #[derive(Default)]
@@ -1005,9 +1008,19 @@ impl Engine {
         if st.headers.len() >= l.max_updates_per_step as usize {
             return Err((WireError::BufferFull("updates per step"), Verdict::Ignore));
         }
-        if self.by_blob.contains_key(&(h.blob, step)) {
-            // Another sender already claimed this exact blob for this step (a copy): first wins.
-            return Err((WireError::Duplicate, Verdict::Ignore));
+        if let Some(owner) = self.by_blob.get(&(h.blob, step)) {
+            // Another sender already claimed this exact blob for this step (a copy): first
+            // wins, unless that claim was shown false (its length contradicts the blob) or
+            // its signer equivocated: then the slot goes to this header, so that a key which
+            // re-signs an honest blob id cannot keep the honest header out.
+            let void = st
+                .headers
+                .get(owner)
+                .is_none_or(|e| e.contradicted)
+                || st.equivocators.contains(owner);
+            if !void {
+                return Err((WireError::Duplicate, Verdict::Ignore));
+            }
         }
         let cur = self.run.timing.step_at(now);
         if step > cur {
@@ -1032,6 +1045,7 @@ impl Engine {
                 invalid: false,
                 sketch: Vec::new(),
                 copy: false,
+                contradicted: false,
             },
         );
         Ok(true)
@@ -1103,13 +1117,20 @@ impl Engine {
             }
             Err(err) => {
                 // A blob that matches the signed id but is invalid is the sender's fault; one
-                // that does not match the id is only the relay's.
-                let signer_fault = !matches!(
-                    err,
-                    WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. }
-                );
+                // that does not match the id is only the relay's. A length that differs from
+                // the header's while the bytes hash to its id is the signer's: the id names
+                // those bytes, so the header contradicts its own blob (a key re-signing an
+                // honest id with a wrong length used to get honest servers banned).
+                let contradicted = matches!(err, WireError::BlobLength { .. })
+                    && ContentId::of(&blob) == id;
+                let signer_fault = contradicted
+                    || !matches!(
+                        err,
+                        WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. }
+                    );
                 if signer_fault {
                     e.invalid = true;
+                    e.contradicted = contradicted;
                     self.resolve_want(id, Verdict::Reject, out);
                     self.blame(sender, err.clone(), out);
                 }
@@ -1206,7 +1227,7 @@ impl Engine {
                 .by_blob
                 .get(&(*id, step))
                 .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
-                .is_some_and(|e| e.blob.is_some() || e.invalid);
+                .is_some_and(|e| e.blob.is_some() || (e.invalid && !e.contradicted));
             if !held {
                 self.want(*id, step, Why::Listed(sender), &self.sources(sender, from), out);
             }
@@ -1348,6 +1369,38 @@ impl Engine {
             );
         }
         let (step, sender) = (header.body.step, header.body.sender);
+        if ContentId::of(&data) == blob {
+            // These are the bytes the id names: a held header of this step naming it with
+            // another length lied, and the fetched header may take its slot.
+            let liar = self
+                .by_blob
+                .get(&(blob, step))
+                .copied()
+                .filter(|o| *o != sender)
+                .filter(|o| {
+                    self.steps.get(&step).and_then(|st| st.headers.get(o)).is_some_and(|e| {
+                        !e.invalid && e.blob.is_none() && e.header.body.blob_len != data.len() as u64
+                    })
+                });
+            if let Some(o) = liar {
+                let e = self
+                    .steps
+                    .get_mut(&step)
+                    .and_then(|st| st.headers.get_mut(&o))
+                    .expect("checked above");
+                e.invalid = true;
+                e.contradicted = true;
+                let want = e.header.body.blob_len;
+                self.blame(
+                    o,
+                    WireError::BlobLength {
+                        got: data.len() as u64,
+                        want,
+                    },
+                    out,
+                );
+            }
+        }
         if let Err((e, _)) = self.accept_header(from, header, Via::Fetch, now, out) {
             let fatal = e.penalty() > 0;
             self.blame(from, e, out);
@@ -1670,6 +1723,7 @@ impl Engine {
                 invalid: false,
                 sketch,
                 copy: false,
+                contradicted: false,
             },
         );
         out.push(send);

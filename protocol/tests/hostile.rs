@@ -418,3 +418,47 @@ fn invented_ids_in_summaries_do_not_crowd_out_honest_fetches() {
     assert!(sim.nodes[0].engine.metrics().evicted_wants > 0);
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
+
+/// Item 3, the wrong-length variant: a key re-signs node 1's blob id with a wrong length and
+/// gets its header to node 0 first, every step. The honest header was refused there as a
+/// duplicate, node 0 blamed the honest servers of the blob (`BlobLength`, the relay's fault)
+/// and lacked node 1's update at apply. Now bytes that hash to the id prove the header's
+/// length false: the signer is blamed, the honest header takes the slot, and node 0 applies
+/// what everyone applies.
+#[test]
+fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let thief = Identity::from_seed([176; 32]);
+    for step in 3..8u64 {
+        // Node 1's update for the step, as the simulated trainer makes it.
+        let blob = make_update(&run, 1 << 32 | step).encode();
+        let mut h = signed_header(&run, &thief, step, &blob).body;
+        h.blob_len += 1;
+        let forged_header = Signed::sign(h, &thief);
+        let frame = Message::Announce {
+            header: forged_header,
+            blob: None,
+        }
+        .encode();
+        // Before node 1 has even trained (the thief saw the id elsewhere first).
+        sim.inject(run.timing.step_start(step) + 305, 0, thief.node_id(), frame);
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    let honest_blamed = sim.actions(0).any(|a| {
+        matches!(a, Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
+            if sim.index(peer).is_some())
+    });
+    assert!(!honest_blamed, "an honest server was blamed for the thief's header");
+    assert!(sim.actions(0).any(|a| matches!(
+        a,
+        Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
+            if *peer == thief.node_id()
+    )));
+    let h = sim.history(0);
+    for step in 3..8u64 {
+        assert_eq!(h[&step].0.len(), 4, "step {step}");
+    }
+    assert!(!desynced(&sim, 0));
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}
