@@ -10,6 +10,10 @@ LOG="$(mktemp -t swarm-test.XXXXXX)"
 trap 'rm -f "$LOG"' EXIT
 cargo test --workspace "$@" 2>&1 | tee "$LOG"
 
+# The fuzz targets (their own workspace, see fuzz/Cargo.toml) build here on stable, and each
+# replays its corpus once (fuzz/tests/corpus.rs), so a target that stops compiling fails CI.
+CARGO_TARGET_DIR="$ROOT/target/fuzz" cargo test --manifest-path "$ROOT/fuzz/Cargo.toml" 2>&1 | tee -a "$LOG"
+
 # Fuzz every decoder of untrusted bytes for a bounded time where cargo-fuzz (nightly) exists;
 # the proptest suites above cover the same decoders everywhere else.
 FUZZ_SECONDS="${SWARM_FUZZ_SECONDS:-10}"

@@ -1,7 +1,5 @@
-//! The structural CBOR pre-check run before serde on every untrusted input.
+//! See `swarm_fuzz::cbor_precheck`.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    let _ = protocol::cbor::precheck(data);
-});
+fuzz_target!(|data: &[u8]| swarm_fuzz::cbor_precheck(data));

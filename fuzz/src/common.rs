@@ -27,5 +27,11 @@ pub fn run() -> RunConfig {
         grace_ms: 100,
         summary_ms: 400,
     };
-    RunConfig::new("fuzz", model, optim, DataSpec::Synthetic { seed: 7, vocab: 64 }, timing)
+    RunConfig::new(
+        "fuzz",
+        model,
+        optim,
+        DataSpec::Synthetic { seed: 7, vocab: 64 },
+        timing,
+    )
 }
