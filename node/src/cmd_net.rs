@@ -381,6 +381,8 @@ struct Node {
     /// A downloaded checkpoint's version, loaded but not yet saved: it is written only once
     /// the engine syncs on it.
     unsaved_load: Option<u64>,
+    /// The last `--status` write failed (logged once until one succeeds again).
+    status_failed: bool,
     ckpt_every: u64,
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
@@ -847,7 +849,7 @@ impl Node {
                     step,
                     digest: Digest(digest),
                 });
-                self.write_status(step, Digest(digest), ms, included)?;
+                self.write_status(step, Digest(digest), ms, included);
                 if last && self.done_at.is_none() {
                     self.done_at = Some(now_ms() + 2 * self.engine.run().timing.period_ms);
                 }
@@ -970,7 +972,11 @@ impl Node {
             .iter()
             .find(|(s, _)| s.version >= min_version)
             .map(|(_, f)| f.clone());
-        if found.is_none() && self.params > SNAPSHOT_EVERY_STEP_PARAMS {
+        // Only a version this node holds or has passed can be snapshotted for a retry: a
+        // request for a later one (`min_version: u64::MAX`, from anyone) used to make a large
+        // model copy its full parameters after every step for a while.
+        let servable = min_version <= self.engine.status().version;
+        if found.is_none() && servable && self.params > SNAPSHOT_EVERY_STEP_PARAMS {
             // Someone is joining: keep snapshots for a while so its retry finds one.
             self.snapshot_until = now + 20 * self.engine.run().timing.period_ms;
             self.to_trainer(Cmd::Snapshot);
@@ -1187,13 +1193,10 @@ impl Node {
         }
     }
 
-    fn write_status(
-        &mut self,
-        step: u64,
-        digest: Digest,
-        apply_ms: u64,
-        included: usize,
-    ) -> Result<()> {
+    /// Log the applied step and append it to `--status`. A failed write (a full disk, a
+    /// removed file) is logged, once, and the node goes on: the status file is a report, and
+    /// losing a line of it must not stop training.
+    fn write_status(&mut self, step: u64, digest: Digest, apply_ms: u64, included: usize) {
         let bw = net::bandwidth(&self.reg.lock().expect("registry lock"));
         let (din, dout) = (
             bw.0.saturating_sub(self.last_bw.0),
@@ -1243,10 +1246,16 @@ impl Node {
             "applied"
         );
         if let Some(f) = &mut self.status {
-            writeln!(f, "{}", serde_json::to_string(&line)?)?;
-            f.flush()?;
+            let json = serde_json::to_string(&line).expect("a status line serializes");
+            if let Err(e) = writeln!(f, "{json}").and_then(|()| f.flush()) {
+                if !self.status_failed {
+                    tracing::error!("writing --status failed (going on without it): {e}");
+                }
+                self.status_failed = true;
+            } else {
+                self.status_failed = false;
+            }
         }
-        Ok(())
     }
 }
 
@@ -1460,6 +1469,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
             unsaved_load: None,
+            status_failed: false,
             ckpt_every: a.checkpoint_every,
             hostile: a.adversary.map(Hostile::new),
             forged: VecDeque::new(),
