@@ -371,7 +371,7 @@ struct Node {
     rate: RateLimit,
     reg: Arc<Mutex<libp2p::metrics::Registry>>,
     gauges: Gauges,
-    status: Option<std::fs::File>,
+    status: Option<StatusSink<std::fs::File>>,
     losses: BTreeMap<u64, (f64, u64)>,
     update_bytes: u64,
     last_bw: (u64, u64),
@@ -381,8 +381,6 @@ struct Node {
     /// A downloaded checkpoint's version, loaded but not yet saved: it is written only once
     /// the engine syncs on it.
     unsaved_load: Option<u64>,
-    /// The last `--status` write failed (logged once until one succeeds again).
-    status_failed: bool,
     ckpt_every: u64,
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
@@ -1246,15 +1244,7 @@ impl Node {
             "applied"
         );
         if let Some(f) = &mut self.status {
-            let json = serde_json::to_string(&line).expect("a status line serializes");
-            if let Err(e) = writeln!(f, "{json}").and_then(|()| f.flush()) {
-                if !self.status_failed {
-                    tracing::error!("writing --status failed (going on without it): {e}");
-                }
-                self.status_failed = true;
-            } else {
-                self.status_failed = false;
-            }
+            f.line(&serde_json::to_string(&line).expect("a status line serializes"));
         }
     }
 }
@@ -1431,13 +1421,13 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         let topic = IdentTopic::new(run.topic());
         let status = match &a.status {
-            Some(p) => Some(
+            Some(p) => Some(StatusSink::new(
                 std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(p)
                     .with_context(|| p.display().to_string())?,
-            ),
+            )),
             None => None,
         };
         if let Some(adv) = a.adversary {
@@ -1469,7 +1459,6 @@ pub fn run(a: RunArgs) -> Result<()> {
             done_at: None,
             ckpt_dir: a.checkpoint_dir.clone(),
             unsaved_load: None,
-            status_failed: false,
             ckpt_every: a.checkpoint_every,
             hostile: a.adversary.map(Hostile::new),
             forged: VecDeque::new(),
@@ -1582,6 +1571,97 @@ pub fn run(a: RunArgs) -> Result<()> {
             }
         }
     })
+}
+
+/// `--status`: one JSON line per applied step. A failed write (a full disk, a removed file) is
+/// logged, once until a write succeeds again, and the node goes on: the file is a report, and
+/// losing a line of it must not stop training.
+struct StatusSink<W: Write> {
+    out: W,
+    failed: bool,
+    lost: u64,
+}
+
+impl<W: Write> StatusSink<W> {
+    fn new(out: W) -> Self {
+        StatusSink {
+            out,
+            failed: false,
+            lost: 0,
+        }
+    }
+
+    fn line(&mut self, json: &str) {
+        match writeln!(self.out, "{json}").and_then(|()| self.out.flush()) {
+            Ok(()) => {
+                if self.failed {
+                    tracing::info!(lost = self.lost, "writing --status works again");
+                }
+                self.failed = false;
+            }
+            Err(e) => {
+                if !self.failed {
+                    tracing::error!("writing --status failed (going on without it): {e}");
+                }
+                self.failed = true;
+                self.lost += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod status_tests {
+    use super::StatusSink;
+
+    /// A writer that fails while `full` is set, as a full disk does.
+    struct Disk {
+        full: bool,
+        lines: Vec<u8>,
+    }
+    impl std::io::Write for Disk {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.full {
+                return Err(std::io::Error::other("no space left on device"));
+            }
+            self.lines.extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_status_write_is_counted_and_the_next_one_goes_through() {
+        let mut s = StatusSink::new(Disk {
+            full: false,
+            lines: Vec::new(),
+        });
+        s.line("1");
+        s.out.full = true;
+        s.line("2");
+        s.line("3");
+        assert!(s.failed);
+        assert_eq!(s.lost, 2);
+        s.out.full = false;
+        s.line("4");
+        assert!(!s.failed);
+        assert_eq!(String::from_utf8(s.out.lines.clone()).unwrap(), "1\n4\n");
+    }
+
+    /// The real thing: `/dev/full` refuses every write with ENOSPC.
+    #[test]
+    fn status_on_a_full_device_does_not_panic_or_stop() {
+        let Ok(f) = std::fs::OpenOptions::new().append(true).open("/dev/full") else {
+            return; // not on this system
+        };
+        let mut s = StatusSink::new(f);
+        for i in 0..3 {
+            s.line(&format!("{{\"step\":{i}}}"));
+        }
+        assert_eq!(s.lost, 3);
+    }
 }
 
 #[cfg(test)]
