@@ -371,7 +371,9 @@ impl Want {
 
     /// The stranger whose summary alone asks for this blob, if it is priority 0.
     fn lone_lister(&self) -> Option<NodeId> {
-        (self.priority() == 0).then(|| self.listers.first().copied()).flatten()
+        (self.priority() == 0)
+            .then(|| self.listers.first().copied())
+            .flatten()
     }
 }
 
@@ -1013,10 +1015,7 @@ impl Engine {
             // wins, unless that claim was shown false (its length contradicts the blob) or
             // its signer equivocated: then the slot goes to this header, so that a key which
             // re-signs an honest blob id cannot keep the honest header out.
-            let void = st
-                .headers
-                .get(owner)
-                .is_none_or(|e| e.contradicted)
+            let void = st.headers.get(owner).is_none_or(|e| e.contradicted)
                 || st.equivocators.contains(owner);
             if !void {
                 return Err((WireError::Duplicate, Verdict::Ignore));
@@ -1121,8 +1120,8 @@ impl Engine {
                 // the header's while the bytes hash to its id is the signer's: the id names
                 // those bytes, so the header contradicts its own blob (a key re-signing an
                 // honest id with a wrong length used to get honest servers banned).
-                let contradicted = matches!(err, WireError::BlobLength { .. })
-                    && ContentId::of(&blob) == id;
+                let contradicted =
+                    matches!(err, WireError::BlobLength { .. }) && ContentId::of(&blob) == id;
                 let signer_fault = contradicted
                     || !matches!(
                         err,
@@ -1229,7 +1228,13 @@ impl Engine {
                 .and_then(|snd| self.steps.get(&step)?.headers.get(snd))
                 .is_some_and(|e| e.blob.is_some() || (e.invalid && !e.contradicted));
             if !held {
-                self.want(*id, step, Why::Listed(sender), &self.sources(sender, from), out);
+                self.want(
+                    *id,
+                    step,
+                    Why::Listed(sender),
+                    &self.sources(sender, from),
+                    out,
+                );
             }
         }
         self.check_desync(out);
@@ -1378,9 +1383,14 @@ impl Engine {
                 .copied()
                 .filter(|o| *o != sender)
                 .filter(|o| {
-                    self.steps.get(&step).and_then(|st| st.headers.get(o)).is_some_and(|e| {
-                        !e.invalid && e.blob.is_none() && e.header.body.blob_len != data.len() as u64
-                    })
+                    self.steps
+                        .get(&step)
+                        .and_then(|st| st.headers.get(o))
+                        .is_some_and(|e| {
+                            !e.invalid
+                                && e.blob.is_none()
+                                && e.header.body.blob_len != data.len() as u64
+                        })
                 });
             if let Some(o) = liar {
                 let e = self

@@ -394,7 +394,11 @@ fn invented_ids_in_summaries_do_not_crowd_out_honest_fetches() {
     for step in 3..8u64 {
         for (k, m) in liars.iter().enumerate() {
             let mut ids: Vec<crypto::ContentId> = (0..200u32)
-                .map(|i| crypto::ContentId::of(&[&step.to_le_bytes()[..], &[k as u8], &i.to_le_bytes()].concat()))
+                .map(|i| {
+                    crypto::ContentId::of(
+                        &[&step.to_le_bytes()[..], &[k as u8], &i.to_le_bytes()].concat(),
+                    )
+                })
                 .collect();
             ids.sort();
             let body = StepSummary {
@@ -407,13 +411,23 @@ fn invented_ids_in_summaries_do_not_crowd_out_honest_fetches() {
                 pow: 0,
             };
             let at = run.timing.step_start(step) + 1 + k as u64;
-            sim.inject(at, 0, m.node_id(), Message::Summary(Signed::sign(body, m)).encode());
+            sim.inject(
+                at,
+                0,
+                m.node_id(),
+                Message::Summary(Signed::sign(body, m)).encode(),
+            );
         }
     }
     sim.run_until(GENESIS + 10 * PERIOD);
     let h = sim.history(0);
     for step in 3..8u64 {
-        assert_eq!(h[&step].0.len(), 4, "node 0 applied {:?} at step {step}", h[&step].0.len());
+        assert_eq!(
+            h[&step].0.len(),
+            4,
+            "node 0 applied {:?} at step {step}",
+            h[&step].0.len()
+        );
     }
     assert!(sim.nodes[0].engine.metrics().evicted_wants > 0);
     assert_agree(&sim, &[0, 1, 2, 3], 8);
@@ -449,7 +463,10 @@ fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() 
         matches!(a, Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
             if sim.index(peer).is_some())
     });
-    assert!(!honest_blamed, "an honest server was blamed for the thief's header");
+    assert!(
+        !honest_blamed,
+        "an honest server was blamed for the thief's header"
+    );
     assert!(sim.actions(0).any(|a| matches!(
         a,
         Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
