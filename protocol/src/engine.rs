@@ -276,6 +276,8 @@ pub struct Metrics {
     pub evicted_peers: u64,
     /// Fetch wants dropped to make room for ones of higher priority.
     pub evicted_wants: u64,
+    /// Headers and summaries of strangers dropped from a full step for better-known peers.
+    pub evicted_updates: u64,
     pub fetches: u64,
     pub fetch_failures: u64,
     pub steps_applied: u64,
@@ -1006,10 +1008,12 @@ impl Engine {
             self.blame(sender, e, out);
             return Ok(false);
         }
+        let occupants: Vec<NodeId> = st.headers.keys().copied().collect();
+        let evict = self
+            .slot(&occupants, sender, step)
+            .ok_or((WireError::BufferFull("updates per step"), Verdict::Ignore))?;
         let l = &self.run.limits;
-        if st.headers.len() >= l.max_updates_per_step as usize {
-            return Err((WireError::BufferFull("updates per step"), Verdict::Ignore));
-        }
+        let st = &self.steps[&step];
         if let Some(owner) = self.by_blob.get(&(h.blob, step)) {
             // Another sender already claimed this exact blob for this step (a copy): first
             // wins, unless that claim was shown false (its length contradicts the blob) or
@@ -1033,6 +1037,9 @@ impl Engine {
             }
             self.metrics.early += 1;
         }
+        if let Some(v) = evict {
+            self.evict_header(step, v, out);
+        }
         self.by_blob.insert((h.blob, step), sender);
         self.seen(sender, step);
         let st = self.steps.entry(step).or_default();
@@ -1048,6 +1055,73 @@ impl Engine {
             },
         );
         Ok(true)
+    }
+
+    /// How much a peer's message in `step` is worth keeping when a per-step table is full:
+    /// 2 for this node and a peer it knows (`known`), 1 for one first heard from in an earlier step,
+    /// 0 for one first heard from now.
+    fn standing(&self, peer: &NodeId, step: u64) -> u8 {
+        if *peer == self.me_id || self.known(peer) {
+            2
+        } else if self
+            .peers
+            .get(peer)
+            .and_then(|p| p.first_step)
+            .is_some_and(|f| f < step)
+        {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// Whether `new` gets a slot among `occupants` (one step's headers or summaries, at most
+    /// `max_updates_per_step`), and whom it displaces: `None` if refused, `Some(None)` if there
+    /// is room, `Some(Some(victim))` to take the place of a peer of lower standing (the
+    /// largest id among the lowest, so every node picks alike). Peers first heard from in this
+    /// step hold at most half the slots: with first-come slots, 256 keys announcing early
+    /// filled every node's table and training stopped, whatever the swarm's size.
+    fn slot(&self, occupants: &[NodeId], new: NodeId, step: u64) -> Option<Option<NodeId>> {
+        let max = self.run.limits.max_updates_per_step as usize;
+        let mine = self.standing(&new, step);
+        let levels: Vec<(u8, NodeId)> = occupants
+            .iter()
+            .map(|p| (self.standing(p, step), *p))
+            .collect();
+        if mine == 0 && levels.iter().filter(|(l, _)| *l == 0).count() >= (max / 2).max(1) {
+            return None;
+        }
+        if occupants.len() < max {
+            return Some(None);
+        }
+        levels
+            .iter()
+            .filter(|(l, p)| *l < mine && *p != self.me_id)
+            .min_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
+            .map(|(_, p)| Some(*p))
+    }
+
+    /// Drop `victim`'s header of `step` to make room (see `slot`).
+    fn evict_header(&mut self, step: u64, victim: NodeId, out: &mut Vec<Action>) {
+        let Some(e) = self
+            .steps
+            .get_mut(&step)
+            .and_then(|st| st.headers.remove(&victim))
+        else {
+            return;
+        };
+        self.metrics.evicted_updates += 1;
+        let id = e.header.body.blob;
+        if self.by_blob.get(&(id, step)) == Some(&victim) {
+            self.by_blob.remove(&(id, step));
+        }
+        let named = self
+            .steps
+            .values()
+            .any(|st| st.headers.values().any(|x| x.header.body.blob == id));
+        if !named {
+            self.resolve_want(id, Verdict::Ignore, out);
+        }
     }
 
     /// Validate and store the blob of a held header. Returns whether it was valid.
@@ -1182,13 +1256,18 @@ impl Engine {
             ) {
                 return Err((WireError::NoWork, Verdict::Reject));
             }
-            let max = self.run.limits.max_updates_per_step as usize;
             let st = self.steps.entry(step).or_default();
             if st.summaries.contains_key(&sender) {
                 return Err((WireError::Equivocation { sender, step }, Verdict::Ignore));
             }
-            if st.summaries.len() >= max {
-                return Err((WireError::BufferFull("summaries per step"), Verdict::Ignore));
+            let occupants: Vec<NodeId> = st.summaries.keys().copied().collect();
+            let evict = self
+                .slot(&occupants, sender, step)
+                .ok_or((WireError::BufferFull("summaries per step"), Verdict::Ignore))?;
+            let st = self.steps.entry(step).or_default();
+            if let Some(v) = evict {
+                st.summaries.remove(&v);
+                self.metrics.evicted_updates += 1;
             }
             st.summaries.insert(sender, s.clone());
             Ok(())

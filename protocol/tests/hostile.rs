@@ -479,3 +479,55 @@ fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() 
     assert!(!desynced(&sim, 0));
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
+
+/// Item 5: with `max_updates_per_step` slots given first come, first served, a crowd of keys
+/// announcing valid updates (and summaries) early in every step filled each table before the
+/// honest nodes' arrived: their updates were refused, the victim applied another set than
+/// its peers, and with every node flooded training stopped. Now keys first heard from in the
+/// step hold at most half the slots, and a known peer takes a stranger's place.
+#[test]
+fn a_crowd_announcing_early_does_not_take_the_known_peers_slots() {
+    let mut run = test_run(true);
+    run.limits.max_updates_per_step = 8;
+    run.validate().unwrap();
+    let mut sim = Sim::new(run.clone(), 4);
+    // Twelve keys, fresh in every step (proof of work is off here: a fresh key is free).
+    for step in 3..8u64 {
+        let crowd: Vec<Identity> = (0..12u8)
+            .map(|i| {
+                let mut seed = [7u8; 32];
+                (seed[0], seed[1]) = (100 + i, step as u8);
+                Identity::from_seed(seed)
+            })
+            .collect();
+        for (k, m) in crowd.iter().enumerate() {
+            let blob = make_update(&run, 50_000 + step * 100 + k as u64).encode();
+            let at = run.timing.step_start(step) + 1 + k as u64;
+            sim.inject(at, 0, m.node_id(), announce(&run, m, step, &blob));
+            let at = run.timing.publish_deadline(step) - 20 + k as u64;
+            sim.inject(at, 0, m.node_id(), summary(&run, m, step, step, forged()));
+        }
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    for i in 0..4 {
+        assert!(!desynced(&sim, i), "node {i} desynced");
+    }
+    // Every honest update is in every step, at node 0 as everywhere.
+    let ids = |i: usize, step: u64| {
+        crypto::ContentId::of(&make_update(&run, (i as u64) << 32 | step).encode())
+    };
+    let h0 = sim.history(0);
+    for step in 3..8u64 {
+        for i in 0..4 {
+            assert!(
+                h0[&step].0.contains(&ids(i, step)),
+                "step {step}: node {i}'s update left out"
+            );
+        }
+    }
+    // The crowd got at most half of the 8 slots.
+    for step in 3..8u64 {
+        assert!(h0[&step].0.len() <= 8);
+    }
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}
