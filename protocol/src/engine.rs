@@ -443,6 +443,8 @@ pub struct Engine {
     /// then are the ones it knew, whose digests may outvote its own. A later resync does not
     /// move it, or keys that showed up in the meantime would become voters by waiting.
     first_synced: Option<u64>,
+    /// The step up to which penalty scores have decayed (see `prune`).
+    decayed_at: u64,
     next_start: u64,
     next_summary: u64,
     steps: BTreeMap<u64, StepState>,
@@ -524,6 +526,7 @@ impl Engine {
             since: now,
             synced_at: now,
             first_synced: (sync == SyncState::Synced).then_some(0),
+            decayed_at: cur,
             next_start: if now < t.genesis_ms { 0 } else { cur },
             next_summary: if now <= t.publish_deadline(cur.saturating_sub(1)) {
                 cur.saturating_sub(1)
@@ -2545,6 +2548,19 @@ impl Engine {
 
     /// Drop what is older than the kept window.
     fn prune(&mut self, now: u64, out: &mut Vec<Action>) {
+        // Penalty scores decay, one step at a time: small penalties an honest peer collects
+        // now and then (skew, a lost race) must not add up to a ban over a long run. A peer
+        // that keeps offending outpaces the decay; a ban itself is for good.
+        let cur = self.run.timing.step_at(now);
+        if cur > self.decayed_at {
+            let steps = (cur - self.decayed_at).min(64) as u32;
+            self.decayed_at = cur;
+            for p in self.peers.values_mut().filter(|p| !p.banned) {
+                for _ in 0..steps {
+                    p.score = p.score.saturating_sub((p.score / 16).max(1));
+                }
+            }
+        }
         let lo = self.lo_step(now);
         let keep = self.steps.split_off(&lo);
         let old = std::mem::replace(&mut self.steps, keep);

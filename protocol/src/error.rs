@@ -112,6 +112,13 @@ impl WireError {
             // its reputation table and bans only persistent offenders (see SECURITY.md).
             HarmfulUpdate | Copy => 10,
             FalseCheckpoint => 1000,
+            // One step either side is what an honest relay's clock skew (or a message that
+            // crossed a step boundary on the way) produces: no misconduct.
+            StepOutOfWindow { step, lo, hi }
+                if step.saturating_add(1) >= *lo && *step <= hi.saturating_add(1) =>
+            {
+                0
+            }
             StepOutOfWindow { .. } => 2,
             Unsolicited => 1,
             // Another run, another version, late, duplicates and full buffers: not misconduct.

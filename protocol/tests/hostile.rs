@@ -531,3 +531,36 @@ fn a_crowd_announcing_early_does_not_take_the_known_peers_slots() {
     }
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
+
+/// Item 8: an honest relay whose clock runs a step off forwards summaries one step outside
+/// the window. Each used to cost it 2 points, so 50 of them banned it. One step either side
+/// is now no misconduct; further out still is, and penalty scores decay step by step.
+#[test]
+fn a_relay_one_step_off_is_not_banned_and_penalties_decay() {
+    let run = test_run(true);
+    let mut sim = Sim::new(run.clone(), 4);
+    let relay = sim.nodes[1].id;
+    let author = Identity::from_seed([175; 32]);
+    // At step 6 the window is [2, 8] here (past_steps 4, future_steps 2): step 9 is one past.
+    for k in 0..60u64 {
+        let at = run.timing.step_start(6) + 10 + k;
+        sim.inject(at, 0, relay, summary(&run, &author, 9, 9, forged()));
+    }
+    sim.run_until(run.timing.step_start(7));
+    assert!(!sim.nodes[0].engine.is_banned(&relay));
+    assert_eq!(sim.nodes[0].engine.score(&relay), 0);
+    // Far out of the window (step 40): 2 points each, 45 of them.
+    for k in 0..45u64 {
+        let at = run.timing.step_start(7) + 10 + k;
+        sim.inject(at, 0, relay, summary(&run, &author, 40, 40, forged()));
+    }
+    sim.run_until(run.timing.step_start(8));
+    let s8 = sim.nodes[0].engine.score(&relay);
+    assert!(s8 >= 80, "score {s8}");
+    sim.run_until(run.timing.step_start(14));
+    let s14 = sim.nodes[0].engine.score(&relay);
+    // About 1/16 a step.
+    assert!(s14 <= s8 * 3 / 4, "score {s8} at step 8, {s14} at step 14");
+    assert!(!sim.nodes[0].engine.is_banned(&relay));
+    assert_agree(&sim, &[0, 1, 2, 3], 12);
+}
