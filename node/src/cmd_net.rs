@@ -727,9 +727,11 @@ impl Node {
                             }
                             Vec::new()
                         }
-                        Request::Blob(id) => self
-                            .engine
-                            .serve_update(&id)
+                        // Within the engine's per-peer serving budget (each blob of a
+                        // step at most twice per peer), on top of the request rate limit.
+                        Request::Blob(id) => net::node_id(&peer)
+                            .and_then(|from| self.engine.serve_update_to(from, &id))
+                            .map(|f| f.to_vec())
                             .or_else(|| {
                                 let f = self.forged.iter().find(|(f, _)| *f == id);
                                 f.map(|(_, b)| b.clone())

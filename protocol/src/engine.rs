@@ -278,6 +278,8 @@ pub struct Metrics {
     pub evicted_wants: u64,
     /// Headers and summaries of strangers dropped from a full step for better-known peers.
     pub evicted_updates: u64,
+    /// Fetches refused for exceeding a peer's serving budget.
+    pub refused_serves: u64,
     pub fetches: u64,
     pub fetch_failures: u64,
     pub steps_applied: u64,
@@ -320,6 +322,8 @@ struct Entry {
     /// The header's length contradicts the bytes of the blob it names (they hash to its id):
     /// its signer lied, and the blob id is free for a header that tells the truth.
     contradicted: bool,
+    /// The `Message::Update` frame served for it, encoded at the first request.
+    frame: Option<Arc<[u8]>>,
 }
 
 #[derive(Default)]
@@ -333,6 +337,8 @@ struct StepState {
     mine: Option<Vec<ContentId>>,
     /// Senders this node spot-checked (or is checking) for the step: once each.
     checked: BTreeSet<NodeId>,
+    /// Blobs of the step served, per requesting peer (see `serve_update_to`).
+    served: BTreeMap<NodeId, BTreeMap<ContentId, u8>>,
     /// Accusers heard for the step (one accusation each counts), and the checks they caused.
     accusers: BTreeSet<NodeId>,
     repeats: u32,
@@ -409,6 +415,8 @@ struct Peer {
 const REP_MAX: i32 = 8;
 const REP_FAIL: i32 = 3;
 const REP_OFFENDER: i32 = -3;
+/// Times one peer is served one blob (see [`Engine::serve_update_to`]).
+pub const SERVES_PER_BLOB: u8 = 2;
 /// Steps after this node's first sync in which a peer first heard from still counts as one it
 /// knew then: a joiner hears only the summaries of peers active while it listens, and those of
 /// the first steps after genesis arrive a step apart.
@@ -614,6 +622,44 @@ impl Engine {
             }
             .encode(),
         )
+    }
+
+    /// The answer to `peer`'s fetch of `blob`, as `serve_update`, within this node's serving
+    /// budget: a peer gets each blob of a step at most [`SERVES_PER_BLOB`] times (an honest
+    /// one fetches it once, twice after a lost response), so what one peer can draw per step
+    /// is bounded by twice the step's blobs, however fast it asks; a step tracks at most
+    /// `max_peers` requesters. The encoded frame is built once and shared. The node shell
+    /// serves fetches only through this.
+    pub fn serve_update_to(&mut self, peer: NodeId, blob: &ContentId) -> Option<Arc<[u8]>> {
+        let (step, sender) = self
+            .by_blob
+            .range((*blob, 0)..=(*blob, u64::MAX))
+            .next_back()
+            .map(|((_, t), s)| (*t, *s))?;
+        let max_peers = self.run.limits.max_peers as usize;
+        let st = self.steps.get_mut(&step)?;
+        let e = st.headers.get(&sender)?;
+        let b = e.blob.clone().filter(|_| !e.invalid)?;
+        if !st.served.contains_key(&peer) && st.served.len() >= max_peers {
+            self.metrics.refused_serves += 1;
+            return None;
+        }
+        let n = st.served.entry(peer).or_default().entry(*blob).or_default();
+        if *n >= SERVES_PER_BLOB {
+            self.metrics.refused_serves += 1;
+            return None;
+        }
+        *n += 1;
+        let e = st.headers.get_mut(&sender).expect("looked up above");
+        if e.frame.is_none() {
+            let f = Message::Update {
+                header: e.header.clone(),
+                blob: b.to_vec(),
+            }
+            .encode();
+            e.frame = Some(f.into());
+        }
+        e.frame.clone()
     }
 
     /// The Hello frame this node sends on a new connection.
@@ -1055,6 +1101,7 @@ impl Engine {
                 sketch: Vec::new(),
                 copy: false,
                 contradicted: false,
+                frame: None,
             },
         );
         Ok(true)
@@ -1816,6 +1863,7 @@ impl Engine {
                 sketch,
                 copy: false,
                 contradicted: false,
+                frame: None,
             },
         );
         out.push(send);

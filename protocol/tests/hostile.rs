@@ -564,3 +564,32 @@ fn a_relay_one_step_off_is_not_banned_and_penalties_decay() {
     assert!(!sim.nodes[0].engine.is_banned(&relay));
     assert_agree(&sim, &[0, 1, 2, 3], 12);
 }
+
+/// Item 8, serving: a peer asking for the same blob again and again used to get a freshly
+/// encoded multi-megabyte frame every time (50 requests a second passed the shell's rate
+/// limit). Now each peer gets each blob of a step at most twice, the frame is encoded once,
+/// and other peers are served as before.
+#[test]
+fn a_peer_gets_each_blob_at_most_twice() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 2);
+    sim.run_until(run.timing.step_start(2) + 600);
+    let blob = crypto::ContentId::of(&make_update(&run, 1 << 32 | 2).encode());
+    let greedy = Identity::from_seed([174; 32]).node_id();
+    let e = &mut sim.nodes[0].engine;
+    let first = e
+        .serve_update_to(greedy, &blob)
+        .expect("node 0 holds node 1's update");
+    let second = e.serve_update_to(greedy, &blob).expect("a retry is served");
+    assert!(
+        std::sync::Arc::ptr_eq(&first, &second),
+        "the frame is encoded once"
+    );
+    for _ in 0..50 {
+        assert!(e.serve_update_to(greedy, &blob).is_none());
+    }
+    assert_eq!(e.metrics().refused_serves, 50);
+    let other = Identity::from_seed([173; 32]).node_id();
+    assert_eq!(e.serve_update_to(other, &blob).as_deref(), Some(&first[..]));
+    assert_eq!(e.serve_update(&blob).as_deref(), Some(&first[..]));
+}
