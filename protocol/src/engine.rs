@@ -1743,6 +1743,15 @@ impl Engine {
             .map(|(id, w)| (2 - w.priority(), *id))
             .collect();
         ids.sort_unstable();
+        // One peer holds at most half the slots: a silent one (it never answers) used to hold
+        // them all until the step was applied, asked for ids only it listed.
+        let cap = (max / 2).max(1);
+        let mut busy: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for w in self.wants.values() {
+            if let Some(p) = w.inflight {
+                *busy.entry(p).or_default() += 1;
+            }
+        }
         for (_, id) in ids {
             if self.inflight >= max {
                 break;
@@ -1762,16 +1771,29 @@ impl Engine {
                 }
                 continue;
             }
-            // Preference order for the first try (the relay), random after that to spread load.
+            // Preference order for the first try (the relay), random after that to spread load;
+            // candidates at their cap wait for a later pump.
+            let free: Vec<usize> = {
+                let w = &self.wants[&id];
+                untried
+                    .iter()
+                    .copied()
+                    .filter(|&i| busy.get(&w.candidates[i]).copied().unwrap_or(0) < cap)
+                    .collect()
+            };
+            if free.is_empty() {
+                continue;
+            }
             let first = self.wants[&id].tried.iter().all(|t| !t);
-            let pick = if first {
+            let pick = if first && free[0] == 0 {
                 0
             } else {
-                untried[(self.next_rand() % untried.len() as u64) as usize]
+                free[(self.next_rand() % free.len() as u64) as usize]
             };
             let w = self.wants.get_mut(&id).expect("present");
             w.tried[pick] = true;
             let peer = w.candidates[pick];
+            *busy.entry(peer).or_default() += 1;
             w.inflight = Some(peer);
             self.inflight += 1;
             self.metrics.fetches += 1;

@@ -593,3 +593,44 @@ fn a_peer_gets_each_blob_at_most_twice() {
     assert_eq!(e.serve_update_to(other, &blob).as_deref(), Some(&first[..]));
     assert_eq!(e.serve_update(&blob).as_deref(), Some(&first[..]));
 }
+
+/// Item 4, the fetch slots: a silent key (it never answers a fetch) lists invented ids at the
+/// start of every step, so that it is their only candidate. Its fetches used to take all 8
+/// slots until the step was applied, and node 0 fetched no honest blob in time. One peer now
+/// holds at most half the slots.
+#[test]
+fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let mute = Identity::from_seed([172; 32]);
+    sim.silent.insert(mute.node_id());
+    for step in 3..8u64 {
+        let mut ids: Vec<crypto::ContentId> = (0..16u32)
+            .map(|i| crypto::ContentId::of(&[&step.to_le_bytes()[..], &i.to_le_bytes()].concat()))
+            .collect();
+        ids.sort();
+        let body = StepSummary {
+            run: run.run_id(),
+            step,
+            sender: mute.node_id(),
+            updates: ids,
+            params_version: step,
+            params_digest: forged(),
+            pow: 0,
+        };
+        let at = run.timing.step_start(step) + 1;
+        sim.inject(
+            at,
+            0,
+            mute.node_id(),
+            Message::Summary(Signed::sign(body, &mute)).encode(),
+        );
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    let h = sim.history(0);
+    for step in 3..8u64 {
+        assert_eq!(h[&step].0.len(), 4, "step {step}");
+    }
+    assert!(!desynced(&sim, 0));
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}

@@ -151,6 +151,8 @@ pub struct Sim {
     injected: BTreeMap<u64, Vec<u8>>,
     /// Update frames that peers outside the simulation (attackers) serve, by blob id.
     pub served: BTreeMap<ContentId, Vec<u8>>,
+    /// Peers outside the simulation that never answer a fetch (no response, no failure).
+    pub silent: std::collections::BTreeSet<NodeId>,
 }
 
 impl Sim {
@@ -169,6 +171,7 @@ impl Sim {
             forward_injected: false,
             injected: BTreeMap::new(),
             served: BTreeMap::new(),
+            silent: Default::default(),
         };
         for i in 0..n {
             s.add_node(i as u8, Some(genesis_digest()));
@@ -299,6 +302,7 @@ impl Sim {
                     }
                 }
             }
+            Action::Fetch { peer, .. } if self.silent.contains(&peer) => {}
             Action::Fetch { peer, blob } => {
                 let resp = match self.index(&peer) {
                     Some(j) if self.nodes[j].alive => self.nodes[j].engine.serve_update(&blob),
