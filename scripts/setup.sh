@@ -6,6 +6,8 @@
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
+# transformers checks `swarm export` (node/tests/hf.rs) and loads exported models.
+TRANSFORMERS_VERSION="5.25.0"
 CACHE_ROOT="${SWARM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/swarm}"
 VENV="$CACHE_ROOT/torch-$TORCH_VERSION"
 STAMP="$VENV/.swarm-ready"
@@ -24,6 +26,20 @@ if [[ ! -f "$STAMP" ]]; then
         "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
         "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
         touch "$STAMP"
+    fi
+    flock -u 9
+fi
+
+# transformers, in the same venv, behind its own stamp (caches made before it was added get it).
+HF_STAMP="$VENV/.swarm-transformers-$TRANSFORMERS_VERSION"
+if [[ ! -f "$HF_STAMP" ]]; then
+    echo "swarm setup: installing transformers==$TRANSFORMERS_VERSION into $VENV (once)" >&2
+    exec 9>"$CACHE_ROOT/.lock-$TORCH_VERSION"
+    flock 9
+    if [[ ! -f "$HF_STAMP" ]]; then
+        "$VENV/bin/python" -m pip install --quiet "transformers==$TRANSFORMERS_VERSION"
+        "$VENV/bin/python" -c "import transformers, safetensors; assert transformers.__version__ == '$TRANSFORMERS_VERSION'"
+        touch "$HF_STAMP"
     fi
     flock -u 9
 fi

@@ -547,6 +547,7 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
         eval_every: 0,
         eval_batches: 4,
         schedule: Default::default(),
+        init: None,
     };
     let adamw = if a.no_baseline {
         None

@@ -133,6 +133,12 @@ pub struct TrainArgs {
     /// Save the final weights as safetensors.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Start from these weights instead of the seeded initialization: a checkpoint swarm wrote
+    /// (`--save`, `--checkpoint-dir`) or one `swarm import` made from a Hugging Face model. The
+    /// model's sizes come from the file (its `swarm.model` metadata, or the named model whose
+    /// shapes it has), so --model is ignored.
+    #[arg(long)]
+    init: Option<PathBuf>,
 }
 
 fn parse_opt(s: &str) -> Result<Optimizer, String> {
@@ -195,8 +201,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let device = train::parse_device(&a.device)?;
     let spec = data_spec(&a.data, a.tokenizer.as_ref(), a.token_width);
     let corpus = Corpus::open(&spec).with_context(|| format!("opening --data {}", a.data))?;
-    let Some(model) = ModelConfig::named(&a.model, corpus.vocab() as u32) else {
-        bail!("unknown model {:?} (expected tiny, small or 1.2b)", a.model);
+    let model = match &a.init {
+        Some(p) => {
+            let (tensors, meta) = train::hf::read_f32(p)?;
+            let c = train::hf::infer_config(&tensors, &meta)
+                .with_context(|| format!("--init {}", p.display()))?;
+            eprintln!("init: {} ({} model from the file)", p.display(), c.name);
+            c
+        }
+        None => match ModelConfig::named(&a.model, corpus.vocab() as u32) {
+            Some(m) => m,
+            None => bail!("unknown model {:?} (expected tiny, small or 1.2b)", a.model),
+        },
     };
     let warmup = a.warmup.unwrap_or((a.steps / 10).min(250));
     let local = a.optimizer == Optimizer::Local;
@@ -242,6 +258,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_batches: a.eval_batches,
         schedule: a.schedule,
+        init: a.init.as_ref().map(|p| p.display().to_string()),
     };
     eprintln!("data: {}", corpus.describe());
     eprintln!(

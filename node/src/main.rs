@@ -2,6 +2,7 @@
 
 mod cmd_codec;
 mod cmd_demo;
+mod cmd_model;
 mod cmd_net;
 mod cmd_sim;
 mod cmd_train;
@@ -21,7 +22,9 @@ step's momentum to a few bits per thousand parameters (chunked DCT, top-k, 1-bit
 nodes exchange those sparse updates, and every node applies the same exact sign step.\n\n\
 Start here:\n  swarm train                      train `tiny` on the embedded synthetic corpus, 8 replicas\n  \
 swarm train --optimizer adamw    the AdamW + all-reduce baseline on the same data\n  \
-swarm codec size --model 1.2b    bytes of one update for the DisTrO report's 1.2B model\n\n\
+swarm codec size --model 1.2b    bytes of one update for the DisTrO report's 1.2B model\n  \
+swarm export --checkpoint F --out DIR   the model as a Hugging Face directory (transformers)\n  \
+swarm eval --checkpoint F --data T      held-out loss, perplexity, bits per byte (JSON)\n\n\
 Logging: set RUST_LOG (e.g. RUST_LOG=debug)."
 )]
 struct Cli {
@@ -56,6 +59,14 @@ enum Cmd {
     /// A whole swarm on this machine: a bootstrap peer and 4 trainers as processes on loopback,
     /// a live view, then a report (JSON + PNG) beside AdamW + all-reduce.
     Demo(cmd_demo::DemoArgs),
+    /// Write a checkpoint as a Hugging Face model directory (LlamaForCausalLM: model.safetensors,
+    /// config.json, generation_config.json, tokenizer.json) that `transformers` loads.
+    Export(cmd_model::ExportArgs),
+    /// Read a Hugging Face Llama directory into a swarm checkpoint (`swarm train --init`).
+    Import(cmd_model::ImportArgs),
+    /// Held-out loss, perplexity and bits per byte of a checkpoint on a text file, a token shard
+    /// or the synthetic corpus, as JSON.
+    Eval(cmd_model::EvalArgs),
     /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW) and print a
     /// table of their final losses, gaps to the first report and bytes per step; with several
     /// reports, also OUT-bytes.png: final loss against bytes sent per step.
@@ -103,6 +114,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => cmd_net::run(*a),
         Cmd::Bootstrap(a) => cmd_net::bootstrap(a),
         Cmd::Demo(a) => cmd_demo::run(a),
+        Cmd::Export(a) => cmd_model::export(a),
+        Cmd::Import(a) => cmd_model::import(a),
+        Cmd::Eval(a) => cmd_model::eval(a),
         Cmd::Plot { reports, out } => {
             let mut loaded = Vec::new();
             for p in &reports {

@@ -298,6 +298,7 @@ impl Trainer for Tiny {
             eval_every: 1,
             eval_batches: self.eval_batches,
             schedule: Default::default(),
+            init: None,
         };
         let (_, report) = train::run::train(&opts, &self.corpus, Device::Cpu, |_| {})
             .map_err(|e| SimError::Scenario(format!("AdamW baseline: {e}")))?;

@@ -182,6 +182,7 @@ fn matches_train_run_with(
         eval_every: 0,
         eval_batches: 1,
         schedule,
+        init: None,
     };
     let corpus = train::data::Corpus::open(&train::data::DataSpec::Synthetic {
         seed: 1,

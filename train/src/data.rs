@@ -262,7 +262,7 @@ impl DataSpec {
 }
 
 /// Held-out stream fraction for evaluation.
-const EVAL_FRACTION: f64 = 0.1;
+pub const EVAL_FRACTION: f64 = 0.1;
 
 impl Corpus {
     pub fn open(spec: &DataSpec) -> Result<Corpus, TrainError> {

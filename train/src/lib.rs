@@ -5,6 +5,8 @@
 pub mod adamw;
 pub mod data;
 pub mod demo;
+pub mod eval;
+pub mod hf;
 pub mod model;
 pub mod node;
 pub mod rng;

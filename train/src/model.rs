@@ -255,6 +255,20 @@ impl Llama {
         })
     }
 
+    /// Set the parameters from named tensors (any float kind, any device): every tensor of
+    /// the model must be there with its shape (`hf::check_shapes`).
+    pub fn set_params(&mut self, tensors: &[(String, Tensor)]) -> Result<(), crate::TrainError> {
+        crate::hf::check_shapes(&self.cfg, tensors)?;
+        let map: std::collections::HashMap<&str, &Tensor> =
+            tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        tch::no_grad(|| {
+            for (n, p) in self.names.iter().zip(self.params.iter_mut()) {
+                p.copy_(&map[n.as_str()].to_kind(Kind::Float).to_device(p.device()));
+            }
+        });
+        Ok(())
+    }
+
     /// The parameter digest of the protocol (`protocol::checkpoint::params_digest`): equal
     /// digests mean bit-identical models, and it is what summaries and checkpoints carry.
     pub fn digest(&self) -> [u8; 32] {

@@ -73,6 +73,10 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     #[serde(default)]
     pub schedule: Schedule,
+    /// Start from these weights (a safetensors file in swarm's names, e.g. from `swarm
+    /// import`) instead of the seeded initialization.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -168,7 +172,11 @@ pub fn train(
     }
     check_memory(opts, device)?;
     let start = Instant::now();
-    let model = Llama::new(&opts.model, device, opts.seed);
+    let mut model = Llama::new(&opts.model, device, opts.seed);
+    if let Some(path) = &opts.init {
+        let (tensors, _) = crate::hf::read_f32(std::path::Path::new(path))?;
+        model.set_params(&tensors)?;
+    }
     let seq = opts.model.seq_len as usize;
     let n = opts.replicas;
     let overlap = opts.schedule == Schedule::Overlap;

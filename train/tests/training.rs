@@ -43,6 +43,7 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
         eval_every: 0,
         eval_batches: 4,
         schedule: Default::default(),
+        init: None,
     };
     (o, corpus)
 }
