@@ -48,7 +48,7 @@ pub struct TrainArgs {
     /// Bits per token of a shard (16 or 32); *.u32 files default to 32.
     #[arg(long)]
     token_width: Option<u32>,
-    /// Coefficients kept per chunk (default: 4 for demo, 8 for local).
+    /// Coefficients kept per chunk (default: 4 for demo, 10 for local).
     #[arg(long)]
     topk: Option<u32>,
     /// DeMo: target chunk length per dimension.
@@ -59,7 +59,8 @@ pub struct TrainArgs {
     #[arg(long)]
     values: Option<ValueCodec>,
     /// Local steps: AdamW steps per window (H); one exchange per window. For `tiny` with 16
-    /// replicas, H = 2 with k = 8 beat H = 4…16 at equal bytes per token (docs/BENCHMARKS.md).
+    /// replicas, H = 2 with k = 8 beat H = 4…16 at equal bytes per token, and k = 10 beat k = 8
+    /// and 11 at 1,000 batches (docs/BENCHMARKS.md).
     #[arg(long, default_value_t = 2)]
     inner_steps: u32,
     /// Local steps: outer step size on the combined pseudo-gradient (1 = plain averaging; 0.7
@@ -225,7 +226,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         optim: OptimConfig {
             chunk: a.chunk,
-            topk: a.topk.unwrap_or(if local { 8 } else { 4 }),
+            topk: a.topk.unwrap_or(if local { 10 } else { 4 }),
             values: a.values.unwrap_or(if local {
                 ValueCodec::Q2
             } else {
