@@ -126,7 +126,7 @@ fn train_local_steps_counts_windows_and_bytes_per_token() {
     assert_eq!(steps[1]["step"], 7);
     assert!(steps.iter().all(|s| s["eval_loss"].is_number()));
     assert_eq!(r["options"]["optim"]["values"], "q2");
-    assert_eq!(r["options"]["optim"]["topk"], 8);
+    assert_eq!(r["options"]["optim"]["topk"], 10);
 }
 
 #[test]
