@@ -117,9 +117,8 @@ fn open_checkpoint(
     let run = run.map(|r| crate::cmd_net::load_run(r, None)).transpose()?;
     let cfg = match &run {
         Some(r) => r.model.clone(),
-        None => {
-            train::hf::infer_config(&tensors, &meta).with_context(|| path.display().to_string())?
-        }
+        None => train::hf::infer_config(&train::hf::shapes_of(&tensors), &meta)
+            .with_context(|| path.display().to_string())?,
     };
     train::hf::check_shapes(&cfg, &tensors).with_context(|| {
         format!(

@@ -204,8 +204,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let corpus = Corpus::open(&spec).with_context(|| format!("opening --data {}", a.data))?;
     let model = match &a.init {
         Some(p) => {
-            let (tensors, meta) = train::hf::read_f32(p)?;
-            let c = train::hf::infer_config(&tensors, &meta)
+            // The header names the model; the values are read once, by the trainer.
+            let (shapes, meta) = train::hf::read_header(p)?;
+            let c = train::hf::infer_config(&shapes, &meta)
                 .with_context(|| format!("--init {}", p.display()))?;
             eprintln!("init: {} ({} model from the file)", p.display(), c.name);
             c

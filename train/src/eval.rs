@@ -60,8 +60,8 @@ pub fn evaluate(model: &Llama, corpus: &Corpus, o: &EvalOptions) -> EvalReport {
         o.max_tokens
     };
     let dev = model.device();
-    let mut nats = 0.0f64;
-    let mut tokens = 0u64;
+    // Summed nats and scored tokens.
+    let (mut nats, mut tokens) = (0.0f64, 0u64);
     // (nats summed, tokens) of one batch of windows.
     let score = |rows: &[Vec<i64>]| -> (f64, u64) {
         let flat: Vec<i64> = rows.iter().flatten().copied().collect();
@@ -71,10 +71,6 @@ pub fn evaluate(model: &Llama, corpus: &Corpus, o: &EvalOptions) -> EvalReport {
         let n = (rows.len() * seq) as u64;
         let l = tch::no_grad(|| model.loss(&x, &y).to_kind(Kind::Double).double_value(&[]));
         (l * n as f64, n)
-    };
-    let add = |(l, n): (f64, u64), nats: &mut f64, tokens: &mut u64| {
-        *nats += l;
-        *tokens += n;
     };
     match corpus {
         Corpus::Stream { tokens: t, .. } => {
@@ -89,12 +85,14 @@ pub fn evaluate(model: &Llama, corpus: &Corpus, o: &EvalOptions) -> EvalReport {
                 rows.push((start..=start + seq).map(|i| t.get(i) as i64).collect());
                 start += seq;
                 if rows.len() == batch {
-                    add(score(&rows), &mut nats, &mut tokens);
+                    let (l, k) = score(&rows);
+                    (nats, tokens) = (nats + l, tokens + k);
                     rows.clear();
                 }
             }
             if !rows.is_empty() {
-                add(score(&rows), &mut nats, &mut tokens);
+                let (l, k) = score(&rows);
+                (nats, tokens) = (nats + l, tokens + k);
             }
         }
         Corpus::Synthetic(_) => {
@@ -110,7 +108,8 @@ pub fn evaluate(model: &Llama, corpus: &Corpus, o: &EvalOptions) -> EvalReport {
                     .into_iter()
                     .map(|s| s.into_iter().map(|t| t as i64).collect())
                     .collect();
-                add(score(&rows), &mut nats, &mut tokens);
+                let (l, k) = score(&rows);
+                (nats, tokens) = (nats + l, tokens + k);
             }
         }
     }

@@ -179,6 +179,32 @@ pub fn config_from_json(
     })
 }
 
+/// Tensor names with their shapes, from a tensor list.
+pub type Shapes = Vec<(String, Vec<i64>)>;
+
+/// Names with shapes of named tensors.
+pub fn shapes_of(tensors: &[(String, Tensor)]) -> Shapes {
+    tensors.iter().map(|(n, t)| (n.clone(), t.size())).collect()
+}
+
+/// A safetensors file's tensor names, shapes and metadata, from its header alone (the values
+/// are mapped, not read): enough to tell which model a checkpoint holds before loading it.
+pub fn read_header(path: &Path) -> Result<(Shapes, HashMap<String, String>), TrainError> {
+    let f = std::fs::File::open(path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    // Safety: as in `read_f32`.
+    let m = unsafe { memmap2::Mmap::map(&f) }?;
+    let (_, meta) = SafeTensors::read_metadata(&m)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let mut shapes: Shapes = meta
+        .tensors()
+        .into_iter()
+        .map(|(n, info)| (n, info.shape.iter().map(|&x| x as i64).collect()))
+        .collect();
+    shapes.sort();
+    Ok((shapes, meta.metadata().clone().unwrap_or_default()))
+}
+
 /// Tensors of a safetensors file as f32 CPU tensors (f32, bf16 and f16 files), and the file's
 /// metadata.
 pub fn read_f32(
@@ -284,45 +310,37 @@ pub fn write(
 /// `swarm import` wrote, else the named configuration (`tiny`, `small`, `1.2b`) whose tensor
 /// shapes match the file's. `None` when neither says (then the run file must).
 pub fn infer_config(
-    tensors: &[(String, Tensor)],
+    shapes: &[(String, Vec<i64>)],
     meta: &HashMap<String, String>,
 ) -> Result<ModelConfig, TrainError> {
     if let Some(j) = meta.get(MODEL_META) {
         return serde_json::from_str(j)
             .map_err(|e| TrainError::Checkpoint(format!("{MODEL_META} metadata: {e}")));
     }
-    let shape = |n: &str| {
-        tensors
-            .iter()
-            .find(|(m, _)| m == n)
-            .map(|(_, t)| t.size())
-            .ok_or_else(|| {
-                TrainError::Checkpoint(format!("no tensor {n:?}: not a swarm checkpoint"))
-            })
-    };
-    let emb = shape("tok_embeddings.weight")?;
-    let vocab = emb[0] as u32;
-    let layers = tensors
+    let emb = shapes
         .iter()
-        .filter(|(n, _)| n.ends_with(".attention_norm.weight"))
-        .count() as u32;
+        .find(|(n, _)| n == "tok_embeddings.weight")
+        .map(|(_, s)| s.clone())
+        .ok_or_else(|| {
+            TrainError::Checkpoint(
+                "no tensor \"tok_embeddings.weight\": not a swarm checkpoint".into(),
+            )
+        })?;
+    let vocab = emb[0] as u32;
     for name in ["tiny", "small", "1.2b"] {
         let Some(mut c) = ModelConfig::named(name, vocab) else {
             continue;
         };
         // `tiny` and `small` take the data's vocabulary; `1.2b` has a fixed one.
         c.vocab = vocab;
-        let want = c.tensor_shapes();
-        let fits = want.len() == tensors.len()
-            && want.iter().all(|(n, s)| {
-                tensors.iter().any(|(m, t)| {
-                    m == n && t.size().iter().map(|&x| x as u32).eq(s.iter().copied())
-                })
-            });
-        if fits && layers == c.layers {
+        if check_shape_list(&c, shapes).is_ok() {
             return Ok(c);
         }
     }
+    let layers = shapes
+        .iter()
+        .filter(|(n, _)| n.ends_with(".attention_norm.weight"))
+        .count();
     Err(TrainError::Checkpoint(format!(
         "the tensor shapes (vocab {vocab}, dim {}, {layers} layers) match no named model \
          (tiny, small, 1.2b); pass the run file (--run RUN.toml) that trained it",
@@ -332,15 +350,21 @@ pub fn infer_config(
 
 /// Check that `tensors` are exactly the tensors of `cfg`, with its shapes.
 pub fn check_shapes(cfg: &ModelConfig, tensors: &[(String, Tensor)]) -> Result<(), TrainError> {
-    let have: BTreeMap<&str, Vec<i64>> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.size()))
-        .collect();
-    for (n, s) in cfg.tensor_shapes() {
+    check_shape_list(cfg, &shapes_of(tensors))
+}
+
+/// Check that `shapes` name exactly the tensors of `cfg`, with its shapes.
+pub fn check_shape_list(
+    cfg: &ModelConfig,
+    shapes: &[(String, Vec<i64>)],
+) -> Result<(), TrainError> {
+    let have: BTreeMap<&str, &Vec<i64>> = shapes.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let want = cfg.tensor_shapes();
+    for (n, s) in &want {
         let s: Vec<i64> = s.iter().map(|&x| x as i64).collect();
         match have.get(n.as_str()) {
             None => return Err(TrainError::Checkpoint(format!("missing tensor {n}"))),
-            Some(h) if *h != s => {
+            Some(h) if **h != s => {
                 return Err(TrainError::Checkpoint(format!(
                     "{n}: shape {h:?}, the model's is {s:?}"
                 )))
@@ -348,11 +372,11 @@ pub fn check_shapes(cfg: &ModelConfig, tensors: &[(String, Tensor)]) -> Result<(
             _ => {}
         }
     }
-    if have.len() != cfg.tensor_shapes().len() {
+    if have.len() != want.len() {
         return Err(TrainError::Checkpoint(format!(
             "{} tensors, the model has {}",
             have.len(),
-            cfg.tensor_shapes().len()
+            want.len()
         )));
     }
     Ok(())
