@@ -1,0 +1,632 @@
+//! The sans-IO engine that runs rounds without a coordinator.
+//!
+//! `Engine::handle(event, now) -> Vec<Action>`: time comes in as `now` (unix ms), randomness as
+//! a seed at construction, and every map is a `BTreeMap`, so one sequence of events gives one
+//! sequence of actions, byte for byte, on any machine. The network shell (node/) and the
+//! simulator (sim/) turn actions into I/O and I/O into events.
+//!
+//! # The round (see `StepTiming`)
+//! * During step t's window a node trains on its parameters (version t−1 when on time) and
+//!   publishes a signed header for its update; the blob goes inline when small, else peers fetch
+//!   it by id from whoever relayed the header (relays are told to forward only verified blobs:
+//!   the gossip verdict is withheld until the blob checks out).
+//! * At `publish_deadline(t)` updates for t stop being accepted from gossip (late ones are
+//!   counted, not applied) and every synced node publishes a signed `StepSummary`: the blob ids
+//!   of the valid updates it holds for t, and its own parameter version and digest.
+//! * Until `apply_at(t)` summaries come in; any listed update the node lacks is fetched (from
+//!   the summary's sender first). A slow or vanished peer is simply absent: nothing waits for
+//!   it longer than the grace after `apply_at(t)`.
+//! * At `apply_at(t)` the node applies the **union of its own summary and every summary it
+//!   received for t**, restricted to updates it holds and verified, minus any sender proven to
+//!   have equivocated in t, in blob-id order. Honest nodes that received the same summaries and
+//!   blobs apply the same set; one that missed an update learns of it from the summaries and
+//!   fetches it before applying.
+//! * Summaries (signed and priced; Hellos never vote) carry parameter digests. A node whose
+//!   digest for its current version is outvoted by the peers it *knows* (`Engine::known`: at
+//!   least `attest_quorum` of them and a strict majority agree on another) declares itself
+//!   desynced and asks them for a checkpoint, exactly like a joiner. Fresh keys never outvote
+//!   a node, however many: that would let a few throwaway keys hand it their parameters.
+//! * A joiner listens, and once the swarm attests a (version, digest) whose summaries it was
+//!   listening for (`Engine::attested_digest`), requests a checkpoint of at least that
+//!   version, loads it, and catches up by applying the following steps from the summaries it
+//!   collected. A loaded checkpoint whose digest the swarm contradicts is dropped at once.
+//!
+//! # The parts
+//! `Engine` is one state (this file: its fields, the events and actions, `handle`) driven by
+//! parts that each own one concern, the way iroh-gossip's topic state owns its layers:
+//! * `accept`: a message from a peer: hello, header, blob, summary; what is credited to whom.
+//! * `fetch`: which blobs are wanted, from whom, in what order; serving them to peers.
+//! * `round`: the step windows, the node's own update and the clock (apply, summaries, timer).
+//! * `defence`: equivocation proofs, spot checks, accusations, copies, probation, reputation.
+//! * `peers`: the peer table, penalties and bans, the Hello this node sends.
+//! * `sync`: attestations, desync detection and joining (which checkpoint to ask for).
+//!
+//! The parts are `impl Engine` blocks over the same fields (no part owns a copy of another's
+//! state, so no two copies can disagree); what one part calls in another is `pub(super)`.
+
+mod accept;
+mod defence;
+mod fetch;
+mod peers;
+mod round;
+mod sync;
+
+use defence::sketch;
+use fetch::{Want, Why};
+use peers::Peer;
+use sync::SyncState;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+
+use crypto::{ContentId, Digest, Identity, NodeId};
+
+use crate::error::WireError;
+use crate::run::{RunConfig, RunId};
+use crate::wire::{
+    caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation,
+    UpdateHeader, UpdateRules, PROTOCOL_VERSION,
+};
+
+/// Something that happened, fed to [`Engine::handle`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A frame from the network. `tag` is the gossip message id whose validation result the
+    /// transport waits for (None for direct messages such as Hello).
+    Message {
+        from: NodeId,
+        tag: Option<u64>,
+        bytes: Vec<u8>,
+    },
+    /// The answer to [`Action::Fetch`]: a `Message::Update` frame.
+    Fetched {
+        from: NodeId,
+        blob: ContentId,
+        bytes: Vec<u8>,
+    },
+    /// The fetch failed (timeout, refused, disconnected).
+    FetchFailed {
+        from: NodeId,
+        blob: ContentId,
+    },
+    /// The local trainer finished its update for `step`: the encoded `SparseUpdate`.
+    LocalUpdate {
+        step: u64,
+        blob: Vec<u8>,
+        tokens: u64,
+    },
+    /// The timer set by [`Action::SetTimer`] fired (any extra call is harmless).
+    Timer,
+    PeerConnected {
+        peer: NodeId,
+    },
+    PeerGone {
+        peer: NodeId,
+    },
+    /// The trainer applied `step` (as asked by [`Action::Apply`]); `digest` is the parameter
+    /// digest afterwards (version `step + 1`).
+    Applied {
+        step: u64,
+        digest: Digest,
+    },
+    /// A checkpoint was downloaded, verified against its manifest, and loaded.
+    CheckpointLoaded {
+        version: u64,
+        digest: Digest,
+    },
+    CheckpointFailed,
+    /// The answer to [`Action::SpotCheck`]: `gain` is the loss on the sender's own batch before
+    /// minus after applying that update alone (positive: it helped).
+    SpotChecked {
+        step: u64,
+        sender: NodeId,
+        blob: ContentId,
+        gain: f64,
+    },
+    /// `from` served a checkpoint (manifest) whose digest does not match what the swarm
+    /// attests for its version: a liar, banned.
+    BadCheckpoint {
+        from: NodeId,
+    },
+}
+
+/// gossipsub-style validation result for a tagged message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Valid: forward it.
+    Accept,
+    /// Provably invalid: drop it and penalize the relay.
+    Reject,
+    /// Not for us (late, duplicate, another run): drop without penalty.
+    Ignore,
+}
+
+/// An update's bytes, shared (blobs are megabytes; actions are cloned in tests).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Blob(pub Arc<[u8]>);
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "Blob({} bytes)", self.0.len())
+    }
+}
+
+/// One update included in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Included {
+    pub blob: ContentId,
+    pub sender: NodeId,
+    pub tokens: u64,
+    /// The encoded `SparseUpdate`, already validated against the run's layout.
+    pub bytes: Blob,
+}
+
+/// What happened that a log or metrics exporter wants to know.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Report {
+    /// Provably invalid; the peer at fault is penalized.
+    Rejected {
+        from: NodeId,
+        error: WireError,
+    },
+    /// Dropped without fault: late, duplicate, another run, full buffer, out of window.
+    Ignored {
+        from: NodeId,
+        error: WireError,
+    },
+    /// The local trainer's update could not be published.
+    LocalRefused {
+        step: u64,
+        error: WireError,
+    },
+    StepApplied {
+        step: u64,
+        included: u32,
+        listed: u32,
+        missing: u32,
+    },
+    /// Our digest for `version` was outvoted: resyncing from a checkpoint.
+    Desync {
+        version: u64,
+        mine: Digest,
+        majority: Digest,
+    },
+    Synced {
+        version: u64,
+        digest: Digest,
+    },
+    CheckpointUnattested {
+        version: u64,
+        digest: Digest,
+    },
+    /// A spot check's outcome and the peer's reputation afterwards.
+    SpotResult {
+        sender: NodeId,
+        step: u64,
+        gain: f64,
+        reputation: i32,
+    },
+    /// An update's blob arrived and checked out (for latency figures: the shell stamps the
+    /// time). Not reported for this node's own update.
+    Verified {
+        step: u64,
+        sender: NodeId,
+    },
+    /// The later of two near-identical updates of one step was taken for a copy.
+    CopySuspected {
+        sender: NodeId,
+        of: NodeId,
+        step: u64,
+        overlap_permille: u32,
+    },
+}
+
+/// Something for the shell to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Gossip a frame on the run's topic.
+    Publish {
+        bytes: Vec<u8>,
+    },
+    /// Send a frame to one peer directly.
+    Send {
+        peer: NodeId,
+        bytes: Vec<u8>,
+    },
+    /// Report the validation result of a tagged gossip message.
+    Verdict {
+        tag: u64,
+        verdict: Verdict,
+    },
+    /// Ask `peer` for the update whose blob id is `blob` (answered by its
+    /// [`Engine::serve_update`]); report back with `Fetched` or `FetchFailed`.
+    Fetch {
+        peer: NodeId,
+        blob: ContentId,
+    },
+    /// Download a checkpoint of at least `min_version` from one of `peers` (in the order
+    /// given), verify it against its manifest, load it and report `CheckpointLoaded`.
+    RequestCheckpoint {
+        min_version: u64,
+        peers: Vec<NodeId>,
+    },
+    /// Step `step`'s window opened: train on the current parameters (version `base_version`).
+    StartStep {
+        step: u64,
+        base_version: u64,
+    },
+    /// Apply step `step` with exactly these updates, in this order; answer with `Applied`.
+    Apply {
+        step: u64,
+        updates: Vec<Included>,
+    },
+    Penalize {
+        peer: NodeId,
+        reason: WireError,
+        points: u32,
+    },
+    Ban {
+        peer: NodeId,
+        reason: WireError,
+    },
+    /// Evaluate this peer's update alone: the loss on the sender's recomputable batch for
+    /// `step` before and after applying `bytes` as a sign step to the current parameters;
+    /// answer [`Event::SpotChecked`]. Sampled per step (see `Defence::spot_checks`).
+    SpotCheck {
+        step: u64,
+        sender: NodeId,
+        blob: ContentId,
+        tokens: u64,
+        bytes: Blob,
+    },
+    /// Call `handle(Event::Timer, at)` at `at`.
+    SetTimer {
+        at: u64,
+    },
+    Report(Report),
+}
+
+/// Counters, for metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Metrics {
+    pub messages: u64,
+    pub rejected: u64,
+    pub ignored: u64,
+    pub late: u64,
+    pub early: u64,
+    pub duplicates: u64,
+    pub equivocations: u64,
+    /// Peer entries dropped to make room in the full peer table.
+    pub evicted_peers: u64,
+    /// Fetch wants dropped to make room for ones of higher priority.
+    pub evicted_wants: u64,
+    /// Headers and summaries of strangers dropped from a full step for better-known peers.
+    pub evicted_updates: u64,
+    /// Fetches refused for exceeding a peer's serving budget.
+    pub refused_serves: u64,
+    pub fetches: u64,
+    pub fetch_failures: u64,
+    pub steps_applied: u64,
+    pub updates_applied: u64,
+    pub desyncs: u64,
+    pub spot_checks: u64,
+    pub spot_failures: u64,
+    pub copies: u64,
+    /// Updates this node held but left out of its summary (condemned, copies, probation).
+    pub withheld: u64,
+    /// Updates listed by some summary but left out by the majority rule.
+    pub outvoted: u64,
+    /// Own updates uploaded to a first-hop relay instead of gossiped.
+    pub uploads: u64,
+    /// (A relay) uploads verified and their headers gossiped.
+    pub relayed: u64,
+    /// Spot checks repeated because a peer's accusation asked for them.
+    pub repeated_checks: u64,
+}
+
+struct Entry {
+    header: Signed<UpdateHeader>,
+    blob: Option<Arc<[u8]>>,
+    invalid: bool,
+    /// A sample of the update's kept (coefficient, sign) keys, for copy detection.
+    sketch: Vec<u64>,
+    /// Taken for a copy of an earlier update of this step.
+    copy: bool,
+    /// The header's length contradicts the bytes of the blob it names (they hash to its id):
+    /// its signer lied, and the blob id is free for a header that tells the truth.
+    contradicted: bool,
+    /// The `Message::Update` frame served for it, encoded at the first request.
+    frame: Option<Arc<[u8]>>,
+}
+
+#[derive(Default)]
+struct StepState {
+    headers: BTreeMap<NodeId, Entry>,
+    /// Senders proven to have signed two headers or two summaries for the step: their
+    /// updates and summaries are left out of its set. At most `max_updates_per_step` of them
+    /// that sent nothing here (see `on_proof`).
+    equivocators: BTreeSet<NodeId>,
+    summaries: BTreeMap<NodeId, Signed<StepSummary>>,
+    mine: Option<Vec<ContentId>>,
+    /// Senders this node spot-checked (or is checking) for the step: once each.
+    checked: BTreeSet<NodeId>,
+    /// Blobs of the step served, per requesting peer (see `serve_update_to`).
+    served: BTreeMap<NodeId, BTreeMap<ContentId, u8>>,
+    /// Accusers heard for the step (one accusation each counts), and the checks they caused.
+    accusers: BTreeSet<NodeId>,
+    repeats: u32,
+}
+
+const REP_MAX: i32 = 8;
+const REP_FAIL: i32 = 3;
+const REP_OFFENDER: i32 = -3;
+/// Times one peer is served one blob (see [`Engine::serve_update_to`]).
+pub const SERVES_PER_BLOB: u8 = 2;
+/// Steps after this node's first sync in which a peer first heard from still counts as one it
+/// knew then: a joiner hears only the summaries of peers active while it listens, and those of
+/// the first steps after genesis arrive a step apart.
+const KNOWN_GRACE_STEPS: u64 = 2;
+/// Applied steps with one of a peer's updates in them after which a peer that arrived later
+/// counts as known: a sustained, checked contribution rather than a one-off proof of work.
+const KNOWN_AFTER_INCLUDED: u32 = 32;
+/// Keys kept per update for copy detection (a consistent hash sample of its kept entries).
+const SKETCH_KEYS: u64 = 1024;
+
+/// The per-node protocol state machine. See the module docs.
+pub struct Engine {
+    run: RunConfig,
+    run_id: RunId,
+    rules: UpdateRules,
+    me: Identity,
+    me_id: NodeId,
+    capabilities: u64,
+    listen: Vec<String>,
+    /// Peers this node accepts as first hops, if they announce [`caps::RELAY`] (the shell
+    /// passes the bootstrap peers its operator chose): any peer can claim the capability.
+    trusted_relays: BTreeSet<NodeId>,
+    sync: SyncState,
+    /// Parameter version (steps applied) and digest.
+    version: u64,
+    digest: Digest,
+    applying: Option<u64>,
+    /// When this engine started listening (summaries before it were never heard).
+    since: u64,
+    synced_at: u64,
+    /// The step of this engine's first sync (genesis or a checkpoint): peers heard from by
+    /// then are the ones it knew, whose digests may outvote its own. A later resync does not
+    /// move it, or keys that showed up in the meantime would become voters by waiting.
+    first_synced: Option<u64>,
+    /// The step up to which penalty scores have decayed (see `prune`).
+    decayed_at: u64,
+    next_start: u64,
+    next_summary: u64,
+    steps: BTreeMap<u64, StepState>,
+    /// (blob id, step) → the sender it is credited to. Keyed by step too: a degenerate update
+    /// (all zeros, say) has the same bytes every step, and a step's set must not depend on
+    /// which earlier step a node happened to see those bytes in.
+    by_blob: BTreeMap<(ContentId, u64), NodeId>,
+    wants: BTreeMap<ContentId, Want>,
+    /// Priority-0 wants per summary sender (see `want`).
+    lone: BTreeMap<NodeId, u32>,
+    inflight: usize,
+    peers: BTreeMap<NodeId, Peer>,
+    /// version → reporter → digest, from summaries and hellos.
+    attest: BTreeMap<u64, BTreeMap<NodeId, Digest>>,
+    timer: Option<u64>,
+    rng: u64,
+    metrics: Metrics,
+    /// This identity's proof of work for the run (0 when the run requires none).
+    pow: u64,
+}
+
+/// Where an engine stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub synced: bool,
+    pub version: u64,
+    pub digest: Digest,
+    pub applying: Option<u64>,
+}
+
+enum Via {
+    Gossip,
+    Fetch,
+}
+
+/// Either kind of equivocation proof, as [`Engine::on_proof`] handles both alike.
+enum Proof {
+    Headers(EquivocationProof),
+    Summaries(SummaryEquivocation),
+}
+
+impl Engine {
+    /// A node of `run`. With `genesis` (the digest of the seeded initial parameters) and a
+    /// `now` before step 0 is applied, it starts synced at version 0; otherwise it joins.
+    pub fn new(
+        run: RunConfig,
+        me: Identity,
+        genesis: Option<Digest>,
+        now: u64,
+        rng_seed: u64,
+    ) -> Engine {
+        let run_id = run.run_id();
+        let rules = UpdateRules::new(&run);
+        let me_id = me.node_id();
+        let t = &run.timing;
+        let cur = t.step_at(now);
+        let (sync, digest) = match genesis {
+            Some(d) if now < t.apply_at(0) => (SyncState::Synced, d),
+            _ => (
+                SyncState::Joining {
+                    requested: None,
+                    loaded: None,
+                },
+                Digest::default(),
+            ),
+        };
+        Engine {
+            run_id,
+            rules,
+            me,
+            me_id,
+            capabilities: caps::TRAIN | caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS,
+            listen: Vec::new(),
+            trusted_relays: BTreeSet::new(),
+            sync: sync.clone(),
+            version: 0,
+            digest,
+            applying: None,
+            since: now,
+            synced_at: now,
+            first_synced: (sync == SyncState::Synced).then_some(0),
+            decayed_at: cur,
+            next_start: if now < t.genesis_ms { 0 } else { cur },
+            next_summary: if now <= t.publish_deadline(cur.saturating_sub(1)) {
+                cur.saturating_sub(1)
+            } else {
+                cur
+            },
+            steps: BTreeMap::new(),
+            by_blob: BTreeMap::new(),
+            wants: BTreeMap::new(),
+            lone: BTreeMap::new(),
+            inflight: 0,
+            peers: BTreeMap::new(),
+            attest: BTreeMap::new(),
+            timer: None,
+            // splitmix64 needs any nonzero-ish state; mix the seed with our key so that nodes
+            // seeded alike still spread their fetches.
+            rng: rng_seed ^ u64::from_le_bytes(me_id.0[..8].try_into().expect("8 bytes")),
+            metrics: Metrics::default(),
+            pow: crypto::pow::solve(&run_id.0, &me_id, run.defence.pow_bits),
+            run,
+        }
+    }
+
+    /// Listen addresses and capabilities announced in Hello.
+    pub fn set_listen(&mut self, listen: Vec<String>, capabilities: u64) {
+        let l = &self.run.limits;
+        self.listen = listen
+            .into_iter()
+            .take(l.max_listen_addrs as usize)
+            .filter(|a| a.len() <= l.max_addr_len as usize)
+            .collect();
+        self.capabilities = capabilities;
+    }
+
+    /// The peers this node may use as first-hop relays (see [`caps::RELAY`]); at most two of
+    /// them, connected and announcing the capability, are used.
+    pub fn set_trusted_relays(&mut self, peers: impl IntoIterator<Item = NodeId>) {
+        self.trusted_relays = peers.into_iter().take(16).collect();
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.me_id
+    }
+    /// This identity's proof of work for the run (0 when the run requires none).
+    pub fn pow(&self) -> u64 {
+        self.pow
+    }
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+    pub fn run(&self) -> &RunConfig {
+        &self.run
+    }
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+    pub fn status(&self) -> Status {
+        Status {
+            synced: self.sync == SyncState::Synced,
+            version: self.version,
+            digest: self.digest,
+            applying: self.applying,
+        }
+    }
+    pub fn is_banned(&self, peer: &NodeId) -> bool {
+        self.peers.get(peer).is_some_and(|p| p.banned)
+    }
+    pub fn score(&self, peer: &NodeId) -> u32 {
+        self.peers.get(peer).map_or(0, |p| p.score)
+    }
+
+    /// Process one event at time `now` (unix ms).
+    pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        match ev {
+            Event::Message { from, tag, bytes } => {
+                self.on_message(from, tag, &bytes, now, &mut out)
+            }
+            Event::Fetched { from, blob, bytes } => {
+                self.on_fetched(from, blob, &bytes, now, &mut out)
+            }
+            Event::FetchFailed { from, blob } => self.fetch_failed(from, blob),
+            Event::LocalUpdate { step, blob, tokens } => {
+                self.on_local(step, blob, tokens, now, &mut out)
+            }
+            Event::Timer => {}
+            Event::PeerConnected { peer } => {
+                if let Some(p) = self.peer_mut(peer) {
+                    p.connected = true;
+                }
+                if !self.is_banned(&peer) {
+                    out.push(Action::Send {
+                        peer,
+                        bytes: self.hello(),
+                    });
+                }
+            }
+            Event::PeerGone { peer } => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.connected = false;
+                }
+                let ids: Vec<ContentId> = self
+                    .wants
+                    .iter()
+                    .filter(|(_, w)| w.inflight == Some(peer))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in ids {
+                    self.fetch_failed(peer, id);
+                }
+            }
+            Event::Applied { step, digest } => {
+                if self.applying == Some(step) {
+                    self.applying = None;
+                    self.version = step + 1;
+                    self.digest = digest;
+                    self.prune(now, &mut out);
+                    self.check_desync(&mut out);
+                }
+            }
+            Event::CheckpointLoaded { version, digest } => {
+                if let SyncState::Joining { loaded, .. } = &mut self.sync {
+                    *loaded = Some((version, digest));
+                }
+            }
+            Event::CheckpointFailed => {
+                if let SyncState::Joining { requested, .. } = &mut self.sync {
+                    *requested = None;
+                }
+            }
+            Event::SpotChecked {
+                step,
+                sender,
+                blob,
+                gain,
+            } => self.on_spot(step, sender, blob, gain, &mut out),
+            Event::BadCheckpoint { from } => {
+                self.blame(from, WireError::FalseCheckpoint, &mut out);
+                if let SyncState::Joining { requested, .. } = &mut self.sync {
+                    *requested = None;
+                }
+            }
+        }
+        self.tick(now, &mut out);
+        self.pump(&mut out);
+        self.schedule(now, &mut out);
+        out
+    }
+}
