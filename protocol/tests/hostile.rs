@@ -634,3 +634,51 @@ fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
     assert!(!desynced(&sim, 0));
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
+
+/// Item 4, fetch time-outs: a silent key (it never answers a fetch) lists the honest updates of
+/// each step in a summary before their headers arrive, so that it is the first candidate node
+/// 0 asks for each of them. Only the shell's request timeout (a whole period) used to give
+/// such a fetch up: node 0 waited on the silent key past its hard deadline and applied its
+/// own update alone, every step. The engine now gives a fetch up after half the summary
+/// window and asks the next candidate (the update's own sender), in time for the step.
+#[test]
+fn a_silent_first_source_does_not_keep_honest_updates_out() {
+    let run = test_run(false);
+    let mut sim = Sim::new(run.clone(), 4);
+    let mute = Identity::from_seed([173; 32]);
+    sim.silent.insert(mute.node_id());
+    for step in 3..8u64 {
+        let mut ids: Vec<crypto::ContentId> = (1..4u64)
+            .map(|i| crypto::ContentId::of(&make_update(&run, (i << 32) | step).encode()))
+            .collect();
+        ids.sort();
+        let body = StepSummary {
+            run: run.run_id(),
+            step,
+            sender: mute.node_id(),
+            updates: ids,
+            params_version: step,
+            params_digest: forged(),
+            pow: 0,
+        };
+        let at = run.timing.step_start(step) + 1;
+        sim.inject(
+            at,
+            0,
+            mute.node_id(),
+            Message::Summary(Signed::sign(body, &mute)).encode(),
+        );
+    }
+    sim.run_until(GENESIS + 10 * PERIOD);
+    let h = sim.history(0);
+    for step in 3..8u64 {
+        assert_eq!(
+            h[&step].0.len(),
+            4,
+            "step {step}: node 0 left honest updates out"
+        );
+    }
+    assert!(sim.nodes[0].engine.metrics().fetch_timeouts >= 3);
+    assert!(!desynced(&sim, 0));
+    assert_agree(&sim, &[0, 1, 2, 3], 8);
+}

@@ -9,6 +9,12 @@ pub(super) struct Want {
     pub(super) candidates: Vec<NodeId>,
     pub(super) tried: Vec<bool>,
     pub(super) inflight: Option<NodeId>,
+    /// When the fetch in flight was sent (unix ms): past `since + fetch_timeout`, while a
+    /// candidate is untried, that one is asked too.
+    pub(super) since: u64,
+    /// Peers asked earlier whose fetch timed out here but has neither answered nor failed:
+    /// their answer is still taken, and the want is not exhausted while they may give one.
+    pub(super) pending: Vec<NodeId>,
     /// Gossip tags whose verdict waits on this blob.
     pub(super) tags: Vec<u64>,
     /// A held, signed header names this blob.
@@ -21,7 +27,17 @@ pub(super) struct Want {
 
 impl Want {
     pub(super) fn exhausted(&self) -> bool {
-        self.inflight.is_none() && self.tried.iter().all(|&t| t)
+        self.inflight.is_none() && self.pending.is_empty() && self.tried.iter().all(|&t| t)
+    }
+
+    /// `peer` was asked for the blob and may still answer: the fetch in flight, or one that
+    /// timed out here (a slow honest server may still be the first to deliver).
+    pub(super) fn awaits(&self, peer: NodeId) -> bool {
+        self.inflight == Some(peer) || self.pending.contains(&peer)
+    }
+
+    fn untried(&self) -> bool {
+        self.tried.iter().any(|&t| !t)
     }
 
     /// What a full fetch queue keeps: a blob a held header names (2), one that two
@@ -119,18 +135,19 @@ impl Engine {
         now: u64,
         out: &mut Vec<Action>,
     ) {
-        let Some(w) = self
-            .wants
-            .get_mut(&blob)
-            .filter(|w| w.inflight == Some(from))
-        else {
+        let Some(w) = self.wants.get_mut(&blob).filter(|w| w.awaits(from)) else {
             // A response we did not ask for (or no longer need): do not even decode it.
             self.metrics.ignored += 1;
             return;
         };
         let want_step = w.step;
-        w.inflight = None;
-        self.inflight -= 1;
+        // A late answer to a fetch that timed out leaves the one now in flight alone.
+        if w.inflight == Some(from) {
+            w.inflight = None;
+            self.inflight -= 1;
+        } else {
+            w.pending.retain(|p| *p != from);
+        }
         let (header, data) = match Message::decode(bytes, &self.run.limits) {
             Ok(Message::Update { header, blob }) => (header, blob),
             Ok(other) => {
@@ -238,11 +255,53 @@ impl Engine {
         })
     }
 
+    /// How long one fetch may stay in flight before the next candidate is asked as well: half
+    /// the summary window (at least the grace), so that a peer that never answers costs a
+    /// want at most half the time its repair fetches have, and a second candidate still has
+    /// the other half. The shell's own request timeout (a whole period) used to be the only
+    /// limit, and one silent source named first kept an honest update out of the step.
+    pub(super) fn fetch_timeout(&self) -> u64 {
+        let t = &self.run.timing;
+        (t.summary_ms / 2).max(t.grace_ms).max(1)
+    }
+
+    /// Fetches in flight past their time-out, where another candidate is untried, free their
+    /// slot for the next candidate. The timed-out request stays pending (its answer is still
+    /// taken, and the want is not given up before it answers or fails), so where nobody else
+    /// can be asked nothing changes. Not a penalty: slowness proves nothing.
+    pub(super) fn expire_fetches(&mut self, now: u64) {
+        let limit = self.fetch_timeout();
+        let mut expired = 0;
+        for w in self.wants.values_mut() {
+            if w.untried() && now >= w.since.saturating_add(limit) {
+                if let Some(p) = w.inflight.take() {
+                    w.pending.push(p);
+                    expired += 1;
+                }
+            }
+        }
+        self.inflight -= expired;
+        self.metrics.fetch_timeouts += expired as u64;
+    }
+
+    /// The earliest time-out of a fetch in flight that would free a slot, for the timer.
+    pub(super) fn next_fetch_timeout(&self) -> Option<u64> {
+        let limit = self.fetch_timeout();
+        self.wants
+            .values()
+            .filter(|w| w.inflight.is_some() && w.untried())
+            .map(|w| w.since.saturating_add(limit))
+            .min()
+    }
+
     pub(super) fn fetch_failed(&mut self, from: NodeId, blob: ContentId) {
         if let Some(w) = self.wants.get_mut(&blob) {
             if w.inflight == Some(from) {
                 w.inflight = None;
                 self.inflight -= 1;
+                self.metrics.fetch_failures += 1;
+            } else if w.pending.contains(&from) {
+                w.pending.retain(|p| *p != from);
                 self.metrics.fetch_failures += 1;
             }
         }
@@ -283,6 +342,8 @@ impl Engine {
             candidates: Vec::new(),
             tried: Vec::new(),
             inflight: None,
+            since: 0,
+            pending: Vec::new(),
             tags: Vec::new(),
             headed: matches!(why, Why::Header),
             listers: match why {
@@ -375,7 +436,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn pump(&mut self, out: &mut Vec<Action>) {
+    pub(super) fn pump(&mut self, now: u64, out: &mut Vec<Action>) {
         let max = self.run.limits.max_inflight_fetches as usize;
         // Highest priority first (see `Want::priority`), so that invented ids asked for by
         // one summary never keep the slots from blobs a held header names.
@@ -438,6 +499,7 @@ impl Engine {
             let peer = w.candidates[pick];
             *busy.entry(peer).or_default() += 1;
             w.inflight = Some(peer);
+            w.since = now;
             self.inflight += 1;
             self.metrics.fetches += 1;
             out.push(Action::Fetch { peer, blob: id });

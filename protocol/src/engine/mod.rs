@@ -240,7 +240,9 @@ pub enum Action {
         verdict: Verdict,
     },
     /// Ask `peer` for the update whose blob id is `blob` (answered by its
-    /// [`Engine::serve_update`]); report back with `Fetched` or `FetchFailed`.
+    /// [`Engine::serve_update`]); report back with `Fetched` or `FetchFailed`. The engine
+    /// asks the next candidate if no answer came within half the summary window, and still
+    /// takes this one's answer if it comes later.
     Fetch {
         peer: NodeId,
         blob: ContentId,
@@ -307,6 +309,8 @@ pub struct Metrics {
     pub refused_serves: u64,
     pub fetches: u64,
     pub fetch_failures: u64,
+    /// Fetches given up after `fetch_timeout` (half the summary window) without an answer.
+    pub fetch_timeouts: u64,
     pub steps_applied: u64,
     pub updates_applied: u64,
     pub desyncs: u64,
@@ -555,6 +559,7 @@ impl Engine {
     /// Process one event at time `now` (unix ms).
     pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
         let mut out = Vec::new();
+        self.expire_fetches(now);
         match ev {
             Event::Message { from, tag, bytes } => {
                 self.on_message(from, tag, &bytes, now, &mut out)
@@ -585,7 +590,7 @@ impl Engine {
                 let ids: Vec<ContentId> = self
                     .wants
                     .iter()
-                    .filter(|(_, w)| w.inflight == Some(peer))
+                    .filter(|(_, w)| w.awaits(peer))
                     .map(|(id, _)| *id)
                     .collect();
                 for id in ids {
@@ -625,7 +630,7 @@ impl Engine {
             }
         }
         self.tick(now, &mut out);
-        self.pump(&mut out);
+        self.pump(now, &mut out);
         self.schedule(now, &mut out);
         out
     }

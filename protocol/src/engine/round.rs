@@ -401,6 +401,10 @@ impl Engine {
                 });
             }
         }
+        // A fetch in flight is given up at its time-out: wake then to ask the next candidate.
+        if let Some(f) = self.next_fetch_timeout() {
+            at = at.min(f);
+        }
         if at > now && self.timer != Some(at) {
             self.timer = Some(at);
             out.push(Action::SetTimer { at });
