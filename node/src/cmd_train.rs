@@ -102,7 +102,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
     /// How the replicas' updates are combined: mean (the DeMo reference: per coefficient, the
-    /// mean over those who kept it) or share (bounded influence: weighted by tokens over all).
+    /// mean over those who kept it), share (bounded influence: weighted by tokens over all) or
+    /// root (per coefficient, the sum over those who kept it divided by √(kept · all)).
     #[arg(long, value_enum, default_value = "mean")]
     combine: CombineArg,
     /// sync: step t trains on parameters holding every earlier step (one process, no
@@ -244,6 +245,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             combine: match a.combine {
                 CombineArg::Mean => protocol::config::Combine::Mean,
                 CombineArg::Share => protocol::config::Combine::Share,
+                CombineArg::Root => protocol::config::Combine::Root,
             },
             lookahead: a.lookahead,
             local: local.then(|| protocol::config::LocalSteps {
@@ -369,4 +371,5 @@ pub fn run(a: TrainArgs) -> Result<()> {
 enum CombineArg {
     Mean,
     Share,
+    Root,
 }

@@ -164,6 +164,14 @@ pub enum Combine {
     /// float values first clipped to the round's median norm. One update of N moves any
     /// coefficient by at most its weight share; see `sparse::exact::aggregate_round`.
     Share,
+    /// Between the two: per coefficient `Σ vᵢ / √(n·N)` over the `n` updates that kept it, of
+    /// `N` included. A coefficient every update kept gets the mean; one a single sender kept
+    /// gets `1/√N` of its value, where `mean` gives all of it and `share` `1/N`. With local
+    /// steps the per-coefficient mean applies each lone sender's whole (noisy) progress, so the
+    /// noise it adds grows with the swarm; this damps lone coefficients by `√N` instead. The
+    /// sum runs in the canonical order and `√` and `/` are correctly rounded, so the result is
+    /// the same on every device. Tokens are ignored, as with `mean`.
+    Root,
 }
 
 impl Combine {

@@ -264,7 +264,8 @@ impl Synthetic {
         };
         for (&(u, tokens), &norm) in updates.iter().zip(&norms) {
             let w = match self.optim.combine {
-                Combine::Mean => 1.0,
+                // The sign of `Σv/n` or `Σv/√(nN)` is the sign of `Σv`.
+                Combine::Mean | Combine::Root => 1.0,
                 Combine::Share => {
                     let w = token_weight(tokens, self.tokens) as f64;
                     if norm > med && norm > 0.0 {

@@ -118,7 +118,7 @@ pub struct Aggregate {
 /// 1-bit values they are small integers and exact in any order anyway.
 pub fn aggregate(layout: &Layout, updates: &[&SparseUpdate]) -> Aggregate {
     let scale = vec![1.0; updates.len()];
-    combine_scaled(layout, updates, &scale, None)
+    combine_scaled(layout, updates, &scale, Denominator::Keepers)
 }
 
 /// Largest weight one update gets in [`aggregate_round`] (a full nominal batch).
@@ -157,6 +157,10 @@ pub fn aggregate_round(
     let refs: Vec<&SparseUpdate> = updates.iter().map(|u| u.0).collect();
     match combine {
         Combine::Mean => aggregate(layout, &refs),
+        Combine::Root => {
+            let scale = vec![1.0; refs.len()];
+            combine_scaled(layout, &refs, &scale, Denominator::Root(refs.len()))
+        }
         Combine::Share => {
             let w: Vec<f64> = updates
                 .iter()
@@ -182,7 +186,7 @@ pub fn aggregate_round(
                 })
                 .collect();
             let total: f64 = w.iter().sum();
-            combine_scaled(layout, &refs, &scale, Some(total))
+            combine_scaled(layout, &refs, &scale, Denominator::Fixed(total))
         }
     }
 }
@@ -199,13 +203,35 @@ fn value_norm(u: &SparseUpdate) -> f64 {
     s.sqrt()
 }
 
-/// Per coefficient `Σ scaleᵢ·vᵢ`, divided by `denominator` when given (a fixed total weight)
-/// or by the number of updates that kept the coefficient (the reference mean).
+/// What a coefficient's sum `Σ scaleᵢ·vᵢ` is divided by.
+#[derive(Clone, Copy)]
+enum Denominator {
+    /// The number `n` of updates that kept the coefficient (the reference mean).
+    Keepers,
+    /// A fixed total weight.
+    Fixed(f64),
+    /// `√(n·N)` for `N` included updates ([`Combine::Root`]).
+    Root(usize),
+}
+
+impl Denominator {
+    fn of(self, keepers: u32) -> f64 {
+        match self {
+            Denominator::Keepers => keepers as f64,
+            Denominator::Fixed(d) => d,
+            // Both factors are small integers, so the product is exact and `sqrt` is the one
+            // correctly rounded operation: the same bits on every device.
+            Denominator::Root(n) => (keepers as f64 * n as f64).sqrt(),
+        }
+    }
+}
+
+/// Per coefficient `Σ scaleᵢ·vᵢ`, divided as `denominator` says.
 fn combine_scaled(
     layout: &Layout,
     updates: &[&SparseUpdate],
     scale: &[f64],
-    denominator: Option<f64>,
+    denominator: Denominator,
 ) -> Aggregate {
     let mut order: Vec<(blake3::Hash, usize)> = updates
         .iter()
@@ -252,7 +278,7 @@ fn combine_scaled(
                     i += 1;
                 }
                 index.push(id);
-                mean.push(sum / denominator.unwrap_or(n as f64));
+                mean.push(sum / denominator.of(n));
             }
             offsets.push(index.len() as u32);
         }
@@ -462,6 +488,38 @@ mod tests {
         let a = aggregate_round(&l, Combine::Share, 1, &[(&g1, 1), (&g2, 1), (&big, 1)]);
         let d = a.tensors[0].dense(8);
         assert!((d[0] - 1.0 / 3.0).abs() < 1e-12, "{d:?}");
+    }
+
+    #[test]
+    fn root_damps_lone_coefficients_by_the_root_of_the_round() {
+        let l = Layout::from_shapes(&[("a".into(), vec![2, 4])], 64);
+        let t = &l.tensors[0];
+        let mk = |idx: &[u32], v: &[f32]| SparseUpdate {
+            codec: ValueCodec::F32,
+            tensors: vec![TensorUpdate::from_entries(t, 2, ValueCodec::F32, idx, v)],
+        };
+        // Four updates all keep coefficient 0; coefficient 5 is one sender's alone.
+        let us = [
+            mk(&[0, 1], &[2.0, 1.0]),
+            mk(&[0, 2], &[2.0, 1.0]),
+            mk(&[0, 3], &[2.0, 1.0]),
+            mk(&[0, 5], &[2.0, 3.0]),
+        ];
+        let set: Vec<(&SparseUpdate, u64)> = us.iter().map(|u| (u, 256)).collect();
+        let root = aggregate_round(&l, Combine::Root, 256, &set).tensors[0].dense(8);
+        let mean = aggregate_round(&l, Combine::Mean, 256, &set).tensors[0].dense(8);
+        // Kept by all: the mean. Kept by one of four: its value over √4, half of what `mean`
+        // gives it and twice what `share` would.
+        assert_eq!(root[0], mean[0]);
+        assert_eq!(root[0], 2.0);
+        assert_eq!(root[5], 1.5);
+        assert_eq!(mean[5], 3.0);
+        // Arrival order does not matter.
+        let rev: Vec<(&SparseUpdate, u64)> = set.iter().rev().copied().collect();
+        assert_eq!(
+            aggregate_round(&l, Combine::Root, 256, &rev),
+            aggregate_round(&l, Combine::Root, 256, &set)
+        );
     }
 
     #[test]
