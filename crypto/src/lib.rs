@@ -205,6 +205,17 @@ impl ContentId {
     pub fn of(bytes: &[u8]) -> ContentId {
         ContentId(*blake3::hash(bytes).as_bytes())
     }
+
+    /// blake3 in key-derivation mode for `context` (a fixed, globally unique string) over
+    /// `parts` in order: an id that names bytes *together with* what they belong to, so that
+    /// the same bytes under another owner get another id.
+    pub fn derived(context: &str, parts: &[&[u8]]) -> ContentId {
+        let mut h = blake3::Hasher::new_derive_key(context);
+        for p in parts {
+            h.update(p);
+        }
+        ContentId(*h.finalize().as_bytes())
+    }
 }
 
 impl Digest {

@@ -46,7 +46,7 @@ pub fn blob(data: &[u8]) {
         run: run.run_id(),
         step: 0,
         sender: NodeId([0; 32]),
-        blob: ContentId::of(data),
+        blob: UpdateHeader::blob_id(&NodeId([0; 32]), 0, data),
         blob_len: data.len() as u64,
         codec: run.optim.values,
         topk: run.optim.topk,
@@ -162,7 +162,7 @@ pub fn engine_signed(data: &[u8]) -> usize {
             run: run.run_id(),
             step,
             sender: k.node_id(),
-            blob: ContentId::of(&blob),
+            blob: UpdateHeader::blob_id(&k.node_id(), step, &blob),
             blob_len: if b.u8() & 1 == 0 {
                 blob.len() as u64
             } else {

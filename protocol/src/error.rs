@@ -49,6 +49,8 @@ pub enum WireError {
     BlobLength { got: u64, want: u64 },
     #[error("blob hashes to {got:?}, its header names {want:?}")]
     BlobIdMismatch { got: ContentId, want: ContentId },
+    #[error("header names blob {blob:?}, which belongs to another sender")]
+    ForeignBlob { blob: ContentId },
     #[error("invalid update: {0}")]
     Sparse(#[from] SparseError),
     #[error("{what}: {n} entries, over the limit of {max}")]
@@ -102,6 +104,7 @@ impl WireError {
             HeaderMismatch { .. }
             | BlobLength { .. }
             | BlobIdMismatch { .. }
+            | ForeignBlob { .. }
             | Sparse(_)
             | TooMany { .. }
             | NotAscending(_) => 20,

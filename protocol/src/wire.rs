@@ -21,8 +21,10 @@ use crate::sparse::{Layout, SparseUpdate};
 
 /// First byte of every frame.
 pub const WIRE_VERSION: u8 = 1;
-/// The protocol version a node announces in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version a node announces in [`Hello`]. 2: update blob ids are bound to their
+/// sender and step ([`UpdateHeader::blob_id`]); version-1 nodes named a blob by its plain
+/// blake3 and would refuse every blob of a version-2 node.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Signature domains, one per signed message kind and version.
 pub mod domain {
@@ -71,7 +73,8 @@ pub struct UpdateHeader {
     pub run: RunId,
     pub step: u64,
     pub sender: NodeId,
-    /// blake3 of the blob (the CBOR-encoded [`SparseUpdate`]).
+    /// The blob's id, [`UpdateHeader::blob_id`] of the sender, the step and the blob (the
+    /// CBOR-encoded [`SparseUpdate`]).
     pub blob: ContentId,
     pub blob_len: u64,
     pub codec: ValueCodec,
@@ -85,6 +88,29 @@ pub struct UpdateHeader {
     /// Identity proof of work for runs that require it (`crypto::pow`); absent when 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pow: u64,
+}
+
+impl UpdateHeader {
+    /// Context string of [`UpdateHeader::blob_id`] (blake3 key derivation).
+    pub const BLOB_ID_CONTEXT: &'static str = "swarm 2026 update blob id v1";
+
+    /// The id a header must name for `blob`: blake3 (key-derivation mode) of the sender's
+    /// public key, the step (u64 little-endian) and the blob. Binding the id to its sender
+    /// means that a key re-signing an honest header's id, whatever length and token count it
+    /// states, names bytes that are not its own: the bytes themselves prove it (they hash to
+    /// the id only under the honest sender), so every node that sees them resolves the claim
+    /// the same way. Binding the step keeps a blob from being replayed into another step.
+    pub fn blob_id(sender: &NodeId, step: u64, blob: &[u8]) -> ContentId {
+        ContentId::derived(
+            Self::BLOB_ID_CONTEXT,
+            &[sender.as_bytes(), &step.to_le_bytes(), blob],
+        )
+    }
+
+    /// Whether `blob` is the blob this header names.
+    pub fn names(&self, blob: &[u8]) -> bool {
+        Self::blob_id(&self.sender, self.step, blob) == self.blob
+    }
 }
 
 /// What a node holds for step `step` when that step's publish deadline passes, and where its
@@ -661,7 +687,7 @@ impl UpdateRules {
                 want: h.blob_len,
             });
         }
-        let id = ContentId::of(blob);
+        let id = UpdateHeader::blob_id(&h.sender, h.step, blob);
         if id != h.blob {
             return Err(WireError::BlobIdMismatch {
                 got: id,

@@ -349,7 +349,7 @@ fn accusations_from_fresh_keys_are_not_repeated_nor_forwarded() {
     sim.run_until(run.timing.step_start(3) + 600);
     let victim = sim.nodes[1].id;
     // The victim's step-3 update, as the simulated trainer made it (seed = node << 32 | step).
-    let blob = crypto::ContentId::of(&make_update(&run, 1 << 32 | 3).encode());
+    let blob = sim_update_id(&run, 1, 3);
     assert!(sim.history(0).is_empty() || sim.nodes[0].engine.serve_update(&blob).is_some());
     let before = sim.nodes[0].engine.metrics().repeated_checks;
     let start = sim.nodes[0].log.len();
@@ -433,14 +433,15 @@ fn invented_ids_in_summaries_do_not_crowd_out_honest_fetches() {
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
 
-/// Item 3, the wrong-length variant: a key re-signs node 1's blob id with a wrong length and
-/// gets its header to node 0 first, every step. The honest header was refused there as a
-/// duplicate, node 0 blamed the honest servers of the blob (`BlobLength`, the relay's fault)
-/// and lacked node 1's update at apply. Now bytes that hash to the id prove the header's
-/// length false: the signer is blamed, the honest header takes the slot, and node 0 applies
-/// what everyone applies.
-#[test]
-fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() {
+/// Item 3: a key re-signs node 1's blob id (with a wrong length, or with the right length and
+/// its own token count) and gets its header to node 0 first, every step. The honest header
+/// was refused there as a duplicate; with a wrong length node 0 blamed the honest servers of
+/// the blob (`BlobLength`, the relay's fault) and lacked node 1's update at apply, with the
+/// right length the thief took the update's credit and weight at node 0 alone. Now the id is
+/// bound to its sender (`UpdateHeader::blob_id`): the bytes and node 1's header prove the
+/// thief's claim false (`ForeignBlob`), the honest header takes the id, and node 0 applies
+/// what everyone applies, credited to node 1.
+fn resign_honest_ids(wrong_length: bool) {
     let run = test_run(false);
     let mut sim = Sim::new(run.clone(), 4);
     let thief = Identity::from_seed([176; 32]);
@@ -448,7 +449,11 @@ fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() 
         // Node 1's update for the step, as the simulated trainer makes it.
         let blob = make_update(&run, 1 << 32 | step).encode();
         let mut h = signed_header(&run, &thief, step, &blob).body;
-        h.blob_len += 1;
+        h.blob = sim_update_id(&run, 1, step);
+        h.tokens = 64;
+        if wrong_length {
+            h.blob_len += 1;
+        }
         let forged_header = Signed::sign(h, &thief);
         let frame = Message::Announce {
             header: forged_header,
@@ -459,25 +464,57 @@ fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() 
         sim.inject(run.timing.step_start(step) + 305, 0, thief.node_id(), frame);
     }
     sim.run_until(GENESIS + 10 * PERIOD);
-    let honest_blamed = sim.actions(0).any(|a| {
-        matches!(a, Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
-            if sim.index(peer).is_some())
-    });
+    let honest_blamed = sim
+        .actions(0)
+        .any(|a| matches!(a, Action::Penalize { peer, .. } if sim.index(peer).is_some()));
     assert!(
         !honest_blamed,
-        "an honest server was blamed for the thief's header"
+        "an honest peer was blamed for the thief's header"
     );
     assert!(sim.actions(0).any(|a| matches!(
         a,
-        Action::Penalize { peer, reason: protocol::error::WireError::BlobLength { .. }, .. }
+        Action::Penalize { peer, reason: protocol::error::WireError::ForeignBlob { .. }, .. }
             if *peer == thief.node_id()
     )));
     let h = sim.history(0);
     for step in 3..8u64 {
         assert_eq!(h[&step].0.len(), 4, "step {step}");
     }
+    // Node 1's update is credited to node 1 wherever it is applied.
+    let one = sim.nodes[1].id;
+    for i in 0..4 {
+        let credited: Vec<(u64, crypto::NodeId)> = sim
+            .actions(i)
+            .filter_map(|a| match a {
+                Action::Apply { step, updates } => Some(
+                    updates
+                        .iter()
+                        .filter(|u| u.blob == sim_update_id(&run, 1, *step))
+                        .map(|u| (*step, u.sender))
+                        .collect::<Vec<_>>(),
+                ),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(credited.len() >= 5, "node {i}: {credited:?}");
+        assert!(
+            credited.iter().all(|(_, s)| *s == one),
+            "node {i}: {credited:?}"
+        );
+    }
     assert!(!desynced(&sim, 0));
     assert_agree(&sim, &[0, 1, 2, 3], 8);
+}
+
+#[test]
+fn a_key_that_resigns_an_honest_blob_id_with_a_wrong_length_is_the_one_blamed() {
+    resign_honest_ids(true);
+}
+
+#[test]
+fn a_key_that_resigns_an_honest_blob_id_with_the_right_length_gets_no_credit() {
+    resign_honest_ids(false);
 }
 
 /// Item 5: with `max_updates_per_step` slots given first come, first served, a crowd of keys
@@ -513,9 +550,7 @@ fn a_crowd_announcing_early_does_not_take_the_known_peers_slots() {
         assert!(!desynced(&sim, i), "node {i} desynced");
     }
     // Every honest update is in every step, at node 0 as everywhere.
-    let ids = |i: usize, step: u64| {
-        crypto::ContentId::of(&make_update(&run, (i as u64) << 32 | step).encode())
-    };
+    let ids = |i: usize, step: u64| sim_update_id(&run, i as u64, step);
     let h0 = sim.history(0);
     for step in 3..8u64 {
         for i in 0..4 {
@@ -574,7 +609,7 @@ fn a_peer_gets_each_blob_at_most_twice() {
     let run = test_run(false);
     let mut sim = Sim::new(run.clone(), 2);
     sim.run_until(run.timing.step_start(2) + 600);
-    let blob = crypto::ContentId::of(&make_update(&run, 1 << 32 | 2).encode());
+    let blob = sim_update_id(&run, 1, 2);
     let greedy = Identity::from_seed([174; 32]).node_id();
     let e = &mut sim.nodes[0].engine;
     let first = e
@@ -648,9 +683,8 @@ fn a_silent_first_source_does_not_keep_honest_updates_out() {
     let mute = Identity::from_seed([173; 32]);
     sim.silent.insert(mute.node_id());
     for step in 3..8u64 {
-        let mut ids: Vec<crypto::ContentId> = (1..4u64)
-            .map(|i| crypto::ContentId::of(&make_update(&run, (i << 32) | step).encode()))
-            .collect();
+        let mut ids: Vec<crypto::ContentId> =
+            (1..4u64).map(|i| sim_update_id(&run, i, step)).collect();
         ids.sort();
         let body = StepSummary {
             run: run.run_id(),

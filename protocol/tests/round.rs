@@ -9,7 +9,7 @@ use crypto::{ContentId, Identity};
 use protocol::engine::{Action, Event, Report};
 use protocol::error::WireError;
 use protocol::sparse::SparseError;
-use protocol::wire::Message;
+use protocol::wire::{Message, UpdateHeader};
 
 fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
     let h0 = sim.history(nodes[0]);
@@ -187,7 +187,7 @@ fn malformed_bad_signature_and_invalid_content_are_penalized() {
     ));
     // The honest round is unaffected, and nothing of M's was applied.
     assert_agree(&sim, &[0, 1, 2], 3);
-    let bad_id = ContentId::of(&bad);
+    let bad_id = UpdateHeader::blob_id(&m.node_id(), 1, &bad);
     assert!(sim
         .history(1)
         .values()
@@ -252,7 +252,9 @@ fn late_arrival_is_counted_not_applied() {
         })
     )));
     assert!(penalized(&sim, 0, &m.node_id()).is_empty());
-    assert!(!sim.history(0)[&2].0.contains(&ContentId::of(&blob)));
+    assert!(!sim.history(0)[&2]
+        .0
+        .contains(&UpdateHeader::blob_id(&m.node_id(), 2, &blob)));
     assert_agree(&sim, &[0, 1, 2], 4);
 }
 
@@ -271,7 +273,10 @@ fn equivocation_is_proven_banned_and_excluded_everywhere() {
     sim.inject(t, 2, m.node_id(), announce(&run, &m, 2, &b));
     sim.inject(t, 3, m.node_id(), announce(&run, &m, 2, &b));
     sim.run_until(GENESIS + 7 * PERIOD);
-    let (ia, ib) = (ContentId::of(&a), ContentId::of(&b));
+    let (ia, ib) = (
+        UpdateHeader::blob_id(&m.node_id(), 2, &a),
+        UpdateHeader::blob_id(&m.node_id(), 2, &b),
+    );
     for i in 0..4 {
         assert!(
             banned(&sim, i, &m.node_id()),
@@ -393,7 +398,7 @@ fn early_arrivals_are_buffered_within_their_bound() {
     for s in 0..5u8 {
         let m = Identity::from_seed([210 + s; 32]);
         let blob = make_update(&run, 5000 + s as u64).encode();
-        ids.push(ContentId::of(&blob));
+        ids.push(UpdateHeader::blob_id(&m.node_id(), 2, &blob));
         sim.inject(t + s as u64, 0, m.node_id(), announce(&run, &m, 2, &blob));
     }
     sim.run_until(GENESIS + 6 * PERIOD);

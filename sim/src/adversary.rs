@@ -669,7 +669,7 @@ pub fn forge(
     blob: &[u8],
     tokens: u64,
 ) -> (ContentId, Vec<u8>, Vec<u8>) {
-    let id = ContentId::of(blob);
+    let id = UpdateHeader::blob_id(&me.node_id(), step, blob);
     let header = UpdateHeader {
         run: run_id,
         step,

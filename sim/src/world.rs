@@ -20,6 +20,7 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
+use protocol::wire::UpdateHeader;
 
 use crate::adversary::{self, Attack, Malformation};
 use crate::metrics::{finish, quantile, Adversary, Metrics, StepMetrics};
@@ -797,7 +798,8 @@ impl World {
                 let Outgoing::Local { blob, tokens } = self.outgoing(i, step, local) else {
                     return;
                 };
-                self.nodes[i].arrivals.insert(ContentId::of(&blob), at);
+                let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
+                self.nodes[i].arrivals.insert(id, at);
                 self.q.push(
                     at,
                     Ev::Engine {
@@ -1043,7 +1045,8 @@ impl World {
         match self.outgoing(i, step, local) {
             Outgoing::Nothing => {}
             Outgoing::Local { blob, tokens } => {
-                self.nodes[i].arrivals.insert(ContentId::of(&blob), now);
+                let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
+                self.nodes[i].arrivals.insert(id, now);
                 self.deliver(i, Event::LocalUpdate { step, blob, tokens }, now);
             }
             Outgoing::Forged { sends, serve } => {

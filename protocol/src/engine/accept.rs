@@ -98,6 +98,12 @@ impl Engine {
         out: &mut Vec<Action>,
     ) {
         let (step, sender) = (header.body.step, header.body.sender);
+        if blob.as_deref().is_some_and(|b| header.body.names(b)) {
+            // Bytes bound to this header's sender and step by the id: another key that claimed
+            // the id first re-signed it (see `contradict_claims`). No signature is needed for
+            // that conclusion: only these bytes under this sender hash to the id.
+            self.contradict_claims(&header.body, out);
+        }
         match self.accept_header(from, header, Via::Gossip, now, out) {
             Err((e, v)) => {
                 Self::verdict(tag, v, out);
@@ -336,47 +342,25 @@ impl Engine {
                 } else {
                     Vec::new()
                 };
-                e.sketch = sk.clone();
-                // Other headers of the step that name the same blob (exact copies) share one
-                // want, so they get the bytes now or never: fill them too, each checked against
-                // its own header.
-                let twins: Vec<(u64, NodeId)> = self
-                    .steps
-                    .iter()
-                    .flat_map(|(t, st)| {
-                        st.headers
-                            .iter()
-                            .filter(|(_, e)| {
-                                e.header.body.blob == id && e.blob.is_none() && !e.invalid
-                            })
-                            .map(move |(n, _)| (*t, *n))
-                    })
-                    .filter(|&(t, n)| (t, n) != (step, sender))
-                    .collect();
-                for (t, n) in &twins {
-                    let st = self.steps.get_mut(t).expect("listed above");
-                    let e = st.headers.get_mut(n).expect("listed above");
-                    if self.rules.check_blob(&e.header.body, &blob).is_ok() {
-                        e.blob = Some(blob.clone());
-                        e.sketch = sk.clone();
-                    }
-                }
+                e.sketch = sk;
+                // The id is bound to its sender and step (`UpdateHeader::blob_id`), so no other
+                // header can name these bytes truthfully: one that claimed the id re-signed it.
+                let owner = e.header.body.clone();
+                self.contradict_claims(&owner, out);
                 self.resolve_want(id, Verdict::Accept, out);
                 out.push(Action::Report(Report::Verified { step, sender }));
                 self.detect_copy(step, sender, out);
-                for (t, n) in twins {
-                    self.detect_copy(t, n, out);
-                }
                 true
             }
             Err(err) => {
                 // A blob that matches the signed id but is invalid is the sender's fault; one
                 // that does not match the id is only the relay's. A length that differs from
                 // the header's while the bytes hash to its id is the signer's: the id names
-                // those bytes, so the header contradicts its own blob (a key re-signing an
-                // honest id with a wrong length used to get honest servers banned).
-                let contradicted =
-                    matches!(err, WireError::BlobLength { .. }) && ContentId::of(&blob) == id;
+                // those bytes, so the header contradicts its own blob. (A key re-signing an
+                // honest id names bytes bound to another sender: `contradict_claims` catches
+                // it when the honest header and its bytes are at hand.)
+                let contradicted = matches!(err, WireError::BlobLength { .. })
+                    && UpdateHeader::blob_id(&sender, step, &blob) == id;
                 let signer_fault = contradicted
                     || !matches!(
                         err,

@@ -165,44 +165,13 @@ impl Engine {
                 out,
             );
         }
-        let (step, sender) = (header.body.step, header.body.sender);
-        if ContentId::of(&data) == blob {
-            // These are the bytes the id names: a held header of this step naming it with
-            // another length lied, and the fetched header may take its slot.
-            let liar = self
-                .by_blob
-                .get(&(blob, step))
-                .copied()
-                .filter(|o| *o != sender)
-                .filter(|o| {
-                    self.steps
-                        .get(&step)
-                        .and_then(|st| st.headers.get(o))
-                        .is_some_and(|e| {
-                            !e.invalid
-                                && e.blob.is_none()
-                                && e.header.body.blob_len != data.len() as u64
-                        })
-                });
-            if let Some(o) = liar {
-                let e = self
-                    .steps
-                    .get_mut(&step)
-                    .and_then(|st| st.headers.get_mut(&o))
-                    .expect("checked above");
-                e.invalid = true;
-                e.contradicted = true;
-                let want = e.header.body.blob_len;
-                self.blame(
-                    o,
-                    WireError::BlobLength {
-                        got: data.len() as u64,
-                        want,
-                    },
-                    out,
-                );
-            }
+        if header.body.names(&data) {
+            // These bytes are the blob the id names, bound to this header's sender: a held
+            // header of another sender naming the same id re-signed it, and the fetched header
+            // takes its slot.
+            self.contradict_claims(&header.body, out);
         }
+        let (step, sender) = (header.body.step, header.body.sender);
         if let Err((e, _)) = self.accept_header(from, header, Via::Fetch, now, out) {
             let fatal = e.penalty() > 0;
             self.blame(from, e, out);
@@ -233,6 +202,34 @@ impl Engine {
         } else {
             self.resolve_want(blob, Verdict::Ignore, out);
         }
+    }
+
+    /// `owner` is proven the sender whose blob its id names (bytes that hash to the id under
+    /// it are at hand): a held header of another sender claiming the same id in that step
+    /// lied (it re-signed an honest id, with whatever length and tokens), is left out for
+    /// good and blamed, and frees the id for `owner`'s header. Every node that sees the bytes
+    /// decides alike, whichever header reached it first.
+    pub(super) fn contradict_claims(&mut self, owner: &UpdateHeader, out: &mut Vec<Action>) {
+        let (id, step) = (owner.blob, owner.step);
+        let Some(o) = self
+            .by_blob
+            .get(&(id, step))
+            .copied()
+            .filter(|o| *o != owner.sender)
+        else {
+            return;
+        };
+        let Some(e) = self
+            .steps
+            .get_mut(&step)
+            .and_then(|st| st.headers.get_mut(&o))
+            .filter(|e| !e.contradicted)
+        else {
+            return;
+        };
+        e.invalid = true;
+        e.contradicted = true;
+        self.blame(o, WireError::ForeignBlob { blob: id }, out);
     }
 
     /// A stored header that names blob `id` and still lacks it: of `step` (the want's) if

@@ -62,7 +62,7 @@ impl Engine {
             run: self.run_id,
             step,
             sender: self.me_id,
-            blob: ContentId::of(&blob),
+            blob: UpdateHeader::blob_id(&self.me_id, step, &blob),
             blob_len: blob.len() as u64,
             codec: self.rules.codec,
             topk: self.rules.topk,

@@ -68,6 +68,13 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The blob id of simulated node `i`'s update for `step`, as its trainer makes it (seed
+/// `i << 32 | step`) and its engine names it.
+pub fn sim_update_id(run: &RunConfig, i: u64, step: u64) -> ContentId {
+    let blob = make_update(run, i << 32 | step).encode();
+    protocol::wire::UpdateHeader::blob_id(&seed_identity(i as u8).node_id(), step, &blob)
+}
+
 /// A valid update of the run's layout, different for each seed.
 pub fn make_update(run: &RunConfig, seed: u64) -> SparseUpdate {
     let layout = run.layout();
@@ -427,7 +434,7 @@ pub fn signed_header(
         run: run.run_id(),
         step,
         sender: id.node_id(),
-        blob: ContentId::of(blob),
+        blob: protocol::wire::UpdateHeader::blob_id(&id.node_id(), step, blob),
         blob_len: blob.len() as u64,
         codec: run.optim.values,
         topk: run.optim.topk,
