@@ -72,7 +72,10 @@ for i in $(seq 0 $((NODES - 1))); do
     echo "n$i 10.77.0.$((10 + i)) up $up down $down" >> "$OUT/links.txt"
 done
 
-GENESIS=$(( $(date +%s%3N) + 8000 ))
+# Step 0 starts once every node is up: 15 s leaves room for five processes loading libtorch
+# on a busy 2-core machine (at 8 s the slow host once came up after step 0 was applied and,
+# on its 10x slower link, could not fetch a checkpoint within a period: a red drill).
+GENESIS=$(( $(date +%s%3N) + 15000 ))
 sed -e "s/^period_ms = .*/period_ms = $PERIOD/" \
     -e "s/^grace_ms = .*/grace_ms = $((PERIOD * 4 / 25))/" \
     -e "s/^summary_ms = .*/summary_ms = $((PERIOD * 8 / 25))/" \
@@ -101,7 +104,7 @@ for i in $(seq 0 $((NODES - 1))); do
 done
 echo "genesis_ms $GENESIS period_ms $PERIOD nodes $NODES steps $STEPS" > "$OUT/meta.txt"
 # The nodes leave by themselves after STEPS steps; a generous deadline beyond that.
-deadline=$(( $(date +%s) + 8 + STEPS * PERIOD / 1000 + 40 ))
+deadline=$(( $(date +%s) + 15 + STEPS * PERIOD / 1000 + 40 ))
 for p in "${PIDS[@]:1}"; do
     while kill -0 "$p" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
 done
