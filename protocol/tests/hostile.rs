@@ -629,20 +629,16 @@ fn a_peer_gets_each_blob_at_most_twice() {
     assert_eq!(e.serve_update(&blob).as_deref(), Some(&first[..]));
 }
 
-/// Item 4, the fetch slots: a silent key (it never answers a fetch) lists invented ids at the
-/// start of every step, so that it is their only candidate. Its fetches used to take all 8
-/// slots until the step was applied, and node 0 fetched no honest blob in time. One peer now
-/// holds at most half the slots.
-#[test]
-fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
+/// A silent key (it never answers a fetch) sends node 0 a summary listing `ids(step)` at the
+/// start of each of steps 3..8, so that it is the first candidate node 0 asks for each of
+/// them. Returns the simulation run to step 10.
+fn silent_lister(ids: impl Fn(&RunConfig, u64) -> Vec<crypto::ContentId>) -> Sim {
     let run = test_run(false);
     let mut sim = Sim::new(run.clone(), 4);
     let mute = Identity::from_seed([172; 32]);
     sim.silent.insert(mute.node_id());
     for step in 3..8u64 {
-        let mut ids: Vec<crypto::ContentId> = (0..16u32)
-            .map(|i| crypto::ContentId::of(&[&step.to_le_bytes()[..], &i.to_le_bytes()].concat()))
-            .collect();
+        let mut ids = ids(&run, step);
         ids.sort();
         let body = StepSummary {
             run: run.run_id(),
@@ -662,6 +658,19 @@ fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
         );
     }
     sim.run_until(GENESIS + 10 * PERIOD);
+    sim
+}
+
+/// Item 4, the fetch slots: the silent key lists invented ids, so that it is their only
+/// candidate. Its fetches used to take all 8 slots until the step was applied, and node 0
+/// fetched no honest blob in time. One peer now holds at most half the slots.
+#[test]
+fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
+    let sim = silent_lister(|_, step| {
+        (0..16u32)
+            .map(|i| crypto::ContentId::of(&[&step.to_le_bytes()[..], &i.to_le_bytes()].concat()))
+            .collect()
+    });
     let h = sim.history(0);
     for step in 3..8u64 {
         assert_eq!(h[&step].0.len(), 4, "step {step}");
@@ -670,40 +679,14 @@ fn a_silent_peer_holds_at_most_half_the_fetch_slots() {
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
 
-/// Item 4, fetch time-outs: a silent key (it never answers a fetch) lists the honest updates of
-/// each step in a summary before their headers arrive, so that it is the first candidate node
-/// 0 asks for each of them. Only the shell's request timeout (a whole period) used to give
-/// such a fetch up: node 0 waited on the silent key past its hard deadline and applied its
-/// own update alone, every step. The engine now gives a fetch up after half the summary
-/// window and asks the next candidate (the update's own sender), in time for the step.
+/// Item 4, fetch time-outs: the silent key lists the honest updates of each step before their
+/// headers arrive. Only the shell's request timeout (a whole period) used to give such a
+/// fetch up: node 0 waited on the silent key past its hard deadline and applied its own
+/// update alone, every step. The engine now asks the next candidate (the update's own
+/// sender) after half the summary window, in time for the step.
 #[test]
 fn a_silent_first_source_does_not_keep_honest_updates_out() {
-    let run = test_run(false);
-    let mut sim = Sim::new(run.clone(), 4);
-    let mute = Identity::from_seed([173; 32]);
-    sim.silent.insert(mute.node_id());
-    for step in 3..8u64 {
-        let mut ids: Vec<crypto::ContentId> =
-            (1..4u64).map(|i| sim_update_id(&run, i, step)).collect();
-        ids.sort();
-        let body = StepSummary {
-            run: run.run_id(),
-            step,
-            sender: mute.node_id(),
-            updates: ids,
-            params_version: step,
-            params_digest: forged(),
-            pow: 0,
-        };
-        let at = run.timing.step_start(step) + 1;
-        sim.inject(
-            at,
-            0,
-            mute.node_id(),
-            Message::Summary(Signed::sign(body, &mute)).encode(),
-        );
-    }
-    sim.run_until(GENESIS + 10 * PERIOD);
+    let sim = silent_lister(|run, step| (1..4u64).map(|i| sim_update_id(run, i, step)).collect());
     let h = sim.history(0);
     for step in 3..8u64 {
         assert_eq!(
