@@ -58,14 +58,8 @@ fn golden() -> Vec<Vec<u8>> {
 
 /// splitmix64: a fixed stream of inputs, the same on every machine.
 fn pseudo_random(n: usize, max_len: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut z = seed;
-    let mut next = move || {
-        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut x = z;
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^ (x >> 31)
-    };
+    let mut rng = protocol::rng::Rng::from_state(seed);
+    let mut next = move || rng.next_u64();
     (0..n)
         .map(|_| {
             let len = (next() as usize) % (max_len + 1);

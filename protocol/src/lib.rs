@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod rng;
 pub mod run;
 pub mod sparse;
 pub mod wire;

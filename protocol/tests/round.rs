@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use crypto::{ContentId, Identity};
+use crypto::Identity;
 use protocol::engine::{Action, Event, Report};
 use protocol::error::WireError;
 use protocol::sparse::SparseError;

@@ -408,7 +408,7 @@ pub(super) fn sketch(u: &crate::sparse::SparseUpdate) -> Vec<u64> {
                 ^ (((j / k) as u64) << 20)
                 ^ ((i as u64) << 1)
                 ^ (v.is_sign_negative() as u64);
-            let h = mix64(raw);
+            let h = crate::rng::mix(raw);
             if h <= limit {
                 keys.push(h);
             }
@@ -417,13 +417,6 @@ pub(super) fn sketch(u: &crate::sparse::SparseUpdate) -> Vec<u64> {
     keys.sort_unstable();
     keys.dedup();
     keys
-}
-
-pub(super) fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Common keys of two sorted samples, in ‰ of the smaller.

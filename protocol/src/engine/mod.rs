@@ -418,7 +418,7 @@ pub struct Engine {
     /// version → reporter → digest, from summaries and hellos.
     attest: BTreeMap<u64, BTreeMap<NodeId, Digest>>,
     timer: Option<u64>,
-    rng: u64,
+    rng: crate::rng::Rng,
     metrics: Metrics,
     /// This identity's proof of work for the run (0 when the run requires none).
     pow: u64,
@@ -501,7 +501,9 @@ impl Engine {
             timer: None,
             // splitmix64 needs any nonzero-ish state; mix the seed with our key so that nodes
             // seeded alike still spread their fetches.
-            rng: rng_seed ^ u64::from_le_bytes(me_id.0[..8].try_into().expect("8 bytes")),
+            rng: crate::rng::Rng::from_state(
+                rng_seed ^ u64::from_le_bytes(me_id.0[..8].try_into().expect("8 bytes")),
+            ),
             metrics: Metrics::default(),
             pow: crypto::pow::solve(&run_id.0, &me_id, run.defence.pow_bits),
             run,

@@ -116,11 +116,6 @@ impl Engine {
     }
 
     pub(super) fn next_rand(&mut self) -> u64 {
-        // splitmix64: tiny, seeded, and the same everywhere.
-        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.rng.next_u64()
     }
 }

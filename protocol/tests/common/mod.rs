@@ -61,12 +61,7 @@ pub fn seed_identity(i: u8) -> Identity {
     Identity::from_seed([i + 1; 32])
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use protocol::rng::mix;
 
 /// The blob id of simulated node `i`'s update for `step`, as its trainer makes it (seed
 /// `i << 32 | step`) and its engine names it.
