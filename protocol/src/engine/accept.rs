@@ -98,7 +98,11 @@ impl Engine {
         out: &mut Vec<Action>,
     ) {
         let (step, sender) = (header.body.step, header.body.sender);
-        if blob.as_deref().is_some_and(|b| header.body.names(b)) {
+        let claimed = self
+            .by_blob
+            .get(&(header.body.blob, step))
+            .is_some_and(|o| *o != sender);
+        if claimed && blob.as_deref().is_some_and(|b| header.body.names(b)) {
             // Bytes bound to this header's sender and step by the id: another key that claimed
             // the id first re-signed it (see `contradict_claims`). No signature is needed for
             // that conclusion: only these bytes under this sender hash to the id.

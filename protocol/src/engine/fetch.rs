@@ -165,7 +165,11 @@ impl Engine {
                 out,
             );
         }
-        if header.body.names(&data) {
+        let claimed = self
+            .by_blob
+            .get(&(blob, header.body.step))
+            .is_some_and(|o| *o != header.body.sender);
+        if claimed && header.body.names(&data) {
             // These bytes are the blob the id names, bound to this header's sender: a held
             // header of another sender naming the same id re-signed it, and the fetched header
             // takes its slot.
