@@ -71,6 +71,14 @@ pub struct NetConfig {
     pub mesh: usize,
 }
 
+/// Connections others may open to this node, of `max` in all: a quarter stays for the
+/// connections it dials itself (its bootstrap peers, the peers discovery finds), so that keys
+/// dialing in by the hundred cannot take every slot and eclipse it. One cap for both
+/// directions let 128 keys do that.
+pub fn max_inbound(max: u32) -> u32 {
+    max - max / 4
+}
+
 /// gossipsub's default mesh degree.
 pub const DEFAULT_MESH: usize = 6;
 
@@ -343,6 +351,7 @@ pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetE
     let limits = connection_limits::Behaviour::new(
         connection_limits::ConnectionLimits::default()
             .with_max_established(Some(cfg.max_connections))
+            .with_max_established_incoming(Some(max_inbound(cfg.max_connections)))
             .with_max_established_per_peer(Some(2))
             .with_max_pending_incoming(Some(64))
             .with_max_pending_outgoing(Some(64)),

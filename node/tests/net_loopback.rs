@@ -34,9 +34,13 @@ struct Node {
 }
 
 async fn node() -> Node {
+    node_with(&config()).await
+}
+
+async fn node_with(cfg: &NetConfig) -> Node {
     let key = libp2p::identity::Keypair::generate_ed25519();
     let mut reg = libp2p::metrics::Registry::default();
-    let mut swarm = build_swarm(key, &config(), &mut reg).unwrap();
+    let mut swarm = build_swarm(key, cfg, &mut reg).unwrap();
     swarm
         .behaviour_mut()
         .gossipsub
@@ -205,4 +209,46 @@ async fn gossip_with_manual_validation_and_blob_fetch() {
         "{:?}",
         nodes[2].fetched[0].as_ref().map(|b| b.len())
     );
+}
+
+/// Keys dialing in take at most three quarters of a node's connection slots: with one cap for
+/// both directions, enough of them eclipsed the node (it could dial nobody of its own choice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dialers_cannot_take_the_slots_a_node_keeps_for_its_own_dials() {
+    let cfg = NetConfig {
+        max_connections: 4,
+        ..config()
+    };
+    assert_eq!(node::net::max_inbound(4), 3);
+    let mut nodes = vec![node_with(&cfg).await];
+    for _ in 0..5 {
+        nodes.push(node().await);
+    }
+    let target = nodes[0].addr.clone();
+    for n in &mut nodes[1..5] {
+        n.swarm.dial(target.clone()).unwrap();
+    }
+    let incoming = |n: &[Node]| {
+        n[0].swarm
+            .network_info()
+            .connection_counters()
+            .num_established_incoming()
+    };
+    drive(&mut nodes, 10, |n| incoming(n) >= 3).await;
+    // The fourth dialer is refused, now and a while later.
+    let settle = tokio::time::Instant::now() + Duration::from_secs(2);
+    drive(&mut nodes, 10, |_| tokio::time::Instant::now() >= settle).await;
+    assert_eq!(incoming(&nodes), 3);
+    // The node still dials a peer of its own choice.
+    let own = nodes[5].addr.clone();
+    nodes[0].swarm.dial(own).unwrap();
+    drive(&mut nodes, 10, |n| {
+        n[0].swarm
+            .network_info()
+            .connection_counters()
+            .num_established_outgoing()
+            == 1
+    })
+    .await;
+    assert_eq!(incoming(&nodes), 3);
 }
