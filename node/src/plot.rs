@@ -10,9 +10,11 @@ use train::run::Report;
 pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    // The x axis runs to the last step recorded: a local-steps report records one entry per
+    // window, at the window's last batch, so counting entries cut its second half off.
     let steps = reports
         .iter()
-        .map(|(_, r)| r.steps.len())
+        .filter_map(|(_, r)| r.steps.last().map(|s| s.step as usize + 1))
         .max()
         .unwrap_or(1)
         .max(1) as f64;
