@@ -63,10 +63,10 @@ pub struct TrainArgs {
     /// and 11 at 1,000 batches (docs/BENCHMARKS.md).
     #[arg(long, default_value_t = 2)]
     inner_steps: u32,
-    /// Local steps: outer step size on the combined pseudo-gradient (1 = plain averaging; 0.7
-    /// beat 1 with the per-coefficient mean).
-    #[arg(long, default_value_t = 0.7)]
-    outer_lr: f64,
+    /// Local steps: outer step size on the combined pseudo-gradient (1 = plain averaging).
+    /// Default 2 with --combine root, 0.7 with mean (the best of each in docs/BENCHMARKS.md).
+    #[arg(long)]
+    outer_lr: Option<f64>,
     /// Local steps: outer Nesterov momentum, kept by each sender on its own pseudo-gradients
     /// (0 = off; DiLoCo uses 0.9 with --outer-lr 0.7).
     #[arg(long, default_value_t = 0.0)]
@@ -104,8 +104,10 @@ pub struct TrainArgs {
     /// How the replicas' updates are combined: mean (the DeMo reference: per coefficient, the
     /// mean over those who kept it), share (bounded influence: weighted by tokens over all) or
     /// root (per coefficient, the sum over those who kept it divided by √(kept · all)).
-    #[arg(long, value_enum, default_value = "mean")]
-    combine: CombineArg,
+    /// Default: root for local steps (within 2 % of mean at 16 nodes, far better at 64), mean
+    /// for DeMo.
+    #[arg(long, value_enum)]
+    combine: Option<CombineArg>,
     /// sync: step t trains on parameters holding every earlier step (one process, no
     /// network). overlap: the swarm's schedule, where step t trains on parameters that still
     /// lack step t−1 (its updates are in flight), so staleness is measured without a network.
@@ -219,6 +221,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let warmup = a.warmup.unwrap_or((a.steps / 10).min(250));
     let local = a.optimizer == Optimizer::Local;
+    let combine = match a.combine {
+        Some(CombineArg::Mean) => protocol::config::Combine::Mean,
+        Some(CombineArg::Share) => protocol::config::Combine::Share,
+        Some(CombineArg::Root) => protocol::config::Combine::Root,
+        None if local => protocol::config::Combine::Root,
+        None => protocol::config::Combine::Mean,
+    };
+    let outer_lr = a.outer_lr.unwrap_or(if combine == protocol::config::Combine::Root {
+        2.0
+    } else {
+        0.7
+    });
     let opts = TrainOptions {
         model: model.clone(),
         optimizer: a.optimizer,
@@ -242,15 +256,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
             total_steps: a.steps,
             min_lr_ratio: 0.1,
             grad_clip: a.clip,
-            combine: match a.combine {
-                CombineArg::Mean => protocol::config::Combine::Mean,
-                CombineArg::Share => protocol::config::Combine::Share,
-                CombineArg::Root => protocol::config::Combine::Root,
-            },
+            combine,
             lookahead: a.lookahead,
             local: local.then(|| protocol::config::LocalSteps {
                 inner_steps: a.inner_steps.max(1),
-                outer_lr: a.outer_lr,
+                outer_lr,
                 ef_decay: a.ef_decay,
                 dct: a.dct,
                 outer_momentum: a.outer_momentum,
