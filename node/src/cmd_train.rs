@@ -228,11 +228,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
         None if local => protocol::config::Combine::Root,
         None => protocol::config::Combine::Mean,
     };
-    let outer_lr = a.outer_lr.unwrap_or(if combine == protocol::config::Combine::Root {
-        2.0
-    } else {
-        0.7
-    });
+    let outer_lr = a
+        .outer_lr
+        .unwrap_or(if combine == protocol::config::Combine::Root {
+            2.0
+        } else {
+            0.7
+        });
     let opts = TrainOptions {
         model: model.clone(),
         optimizer: a.optimizer,
