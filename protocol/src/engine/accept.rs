@@ -20,13 +20,7 @@ impl Engine {
         let msg = match Message::decode(bytes, &self.run.limits) {
             Ok(m) => m,
             Err(e) => {
-                let v = if e.penalty() > 0 {
-                    Verdict::Reject
-                } else {
-                    Verdict::Ignore
-                };
-                Self::verdict(tag, v, out);
-                self.blame(from, e, out);
+                self.refuse(from, tag, e, out);
                 return;
             }
         };

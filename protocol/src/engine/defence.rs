@@ -38,15 +38,7 @@ impl Engine {
         };
         let (sender, step) = match claims {
             Ok(x) => x,
-            Err(e) => {
-                let v = if e.penalty() > 0 {
-                    Verdict::Reject
-                } else {
-                    Verdict::Ignore
-                };
-                Self::verdict(tag, v, out);
-                return self.blame(from, e, out);
-            }
+            Err(e) => return self.refuse(from, tag, e, out),
         };
         let in_window = self.in_window(step, now).is_ok();
         let known_here = self.steps.get(&step).is_some_and(|st| {
@@ -75,13 +67,7 @@ impl Engine {
             Proof::Summaries(p) => p.verify(&self.run_id),
         };
         if let Err(e) = verified {
-            let v = if e.penalty() > 0 {
-                Verdict::Reject
-            } else {
-                Verdict::Ignore
-            };
-            Self::verdict(tag, v, out);
-            return self.blame(from, e, out);
+            return self.refuse(from, tag, e, out);
         }
         if in_window {
             let st = self.steps.entry(step).or_default();

@@ -109,6 +109,24 @@ impl Engine {
         }
     }
 
+    /// Refuse a message: reject it for gossip when `e` is an offence (it has a penalty), else
+    /// ignore it; then blame `from` for it.
+    pub(super) fn refuse(
+        &mut self,
+        from: NodeId,
+        tag: Option<u64>,
+        e: WireError,
+        out: &mut Vec<Action>,
+    ) {
+        let v = if e.penalty() > 0 {
+            Verdict::Reject
+        } else {
+            Verdict::Ignore
+        };
+        Self::verdict(tag, v, out);
+        self.blame(from, e, out);
+    }
+
     pub(super) fn verdict(tag: Option<u64>, verdict: Verdict, out: &mut Vec<Action>) {
         if let Some(tag) = tag {
             out.push(Action::Verdict { tag, verdict });
