@@ -135,6 +135,19 @@ impl Engine {
         }
     }
 
+    /// The loaded checkpoint `(v, d)` is not the swarm's (or can no longer be attested):
+    /// report it, never train on it, and ask again.
+    fn drop_loaded(&mut self, v: u64, d: Digest, out: &mut Vec<Action>) {
+        out.push(Action::Report(Report::CheckpointUnattested {
+            version: v,
+            digest: d,
+        }));
+        self.sync = SyncState::Joining {
+            requested: None,
+            loaded: None,
+        };
+    }
+
     pub(super) fn tick_joining(&mut self, now: u64, out: &mut Vec<Action>) {
         let SyncState::Joining { requested, loaded } = self.sync.clone() else {
             return;
@@ -163,14 +176,7 @@ impl Engine {
             if verdict.is_some() {
                 // The swarm attests another digest for this version: what was loaded is not
                 // the swarm's model, whoever served it. Never train on it; ask again.
-                out.push(Action::Report(Report::CheckpointUnattested {
-                    version: v,
-                    digest: d,
-                }));
-                self.sync = SyncState::Joining {
-                    requested: None,
-                    loaded: None,
-                };
+                self.drop_loaded(v, d, out);
                 return;
             }
             let newest = self.attest.keys().next_back().copied().unwrap_or(0);
@@ -183,14 +189,7 @@ impl Engine {
                 .saturating_add(self.run.limits.future_steps as u64 + 1);
             if newest > v.saturating_add(self.run.limits.past_steps as u64) || v > beyond {
                 // Nobody attests it and the run has moved on: ask again.
-                out.push(Action::Report(Report::CheckpointUnattested {
-                    version: v,
-                    digest: d,
-                }));
-                self.sync = SyncState::Joining {
-                    requested: None,
-                    loaded: None,
-                };
+                self.drop_loaded(v, d, out);
             }
             return;
         }
