@@ -91,6 +91,9 @@ struct Status {
     published_ms: Option<u64>,
     #[serde(default)]
     arrivals: BTreeMap<String, u64>,
+    /// Held-out loss after the step (every `swarm run --eval-every` steps).
+    #[serde(default)]
+    eval_loss: Option<f64>,
 }
 
 struct Proc {
@@ -395,16 +398,18 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
             }
         }
         let mut table = vec![format!(
-            "{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  digest",
-            "node", "step", "loss", "peers", "out B/st", "in B/st", "train ms"
+            "{:<7} {:>5} {:>8} {:>8} {:>5} {:>9} {:>9} {:>8}  digest",
+            "node", "step", "loss", "eval", "peers", "out B/st", "in B/st", "train ms"
         )];
         for (p, r) in procs.iter().zip(&rows) {
+            let eval = r.iter().rev().find_map(|s| s.eval_loss);
             match r.last() {
                 Some(s) => table.push(format!(
-                    "{:<7} {:>5} {:>8} {:>5} {:>9} {:>9} {:>8}  {}",
+                    "{:<7} {:>5} {:>8} {:>8} {:>5} {:>9} {:>9} {:>8}  {}",
                     p.name,
                     s.step,
                     s.loss.map_or("-".into(), |l| format!("{l:.4}")),
+                    eval.map_or("-".into(), |l| format!("{l:.4}")),
                     s.peers,
                     s.bytes_out,
                     s.bytes_in,
@@ -638,6 +643,7 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
                     train_loss: s.loss?,
                     bytes_sent: s.bytes_out,
                     bytes_received: s.bytes_in,
+                    eval_loss: s.eval_loss,
                     ..Default::default()
                 })
             })

@@ -102,6 +102,20 @@ pub struct RunArgs {
     /// Leave after applying this many steps (after lingering two periods to serve peers).
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Held-out loss of this node's parameters every N applied steps (0: never), on
+    /// --eval-batches batches of the run's size from the held-out stream `swarm eval` and
+    /// `swarm demo` use; in the status lines, the TUI and /metrics (`swarm_eval_loss`).
+    #[arg(long, default_value_t = 20)]
+    pub eval_every: u64,
+    /// Batches per held-out evaluation (forward passes only).
+    #[arg(long, default_value_t = 4)]
+    pub eval_batches: usize,
+    /// A live view of this node in the terminal (step clock, losses, peers, bytes, updates
+    /// included, penalties and bans, checkpoints, the log): press q to leave. Needs stdout
+    /// to be a terminal; otherwise the plain status lines are kept. Logs go to the view's log
+    /// pane instead of stderr.
+    #[arg(long)]
+    pub tui: bool,
     /// Local batch (sequences per step), for weaker hardware; the header carries the tokens.
     #[arg(long)]
     pub batch: Option<usize>,
@@ -228,26 +242,33 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
     if let Some(run_file) = a.run {
-        return run(RunArgs {
-            run: run_file,
-            key: a.key,
-            bootstrap: Vec::new(),
-            listen: a.listen,
-            genesis_ms: a.genesis_ms,
-            device: "cpu".into(),
-            data: a.data,
-            checkpoint_dir: None,
-            checkpoint_every: 1,
-            metrics: a.metrics,
-            status: a.status,
-            steps: a.steps,
-            batch: None,
-            threads: Some(1),
-            adversary: None,
-            mesh: node::net::DEFAULT_MESH,
-            role: if a.relay { Role::Relay } else { Role::Seed },
-            addr_file: a.addr_file,
-        });
+        return run(
+            RunArgs {
+                run: run_file,
+                key: a.key,
+                bootstrap: Vec::new(),
+                listen: a.listen,
+                genesis_ms: a.genesis_ms,
+                device: "cpu".into(),
+                data: a.data,
+                checkpoint_dir: None,
+                checkpoint_every: 1,
+                metrics: a.metrics,
+                status: a.status,
+                steps: a.steps,
+                // A seed's parameters are the swarm's: its trainers report the loss.
+                eval_every: 0,
+                eval_batches: 1,
+                tui: false,
+                batch: None,
+                threads: Some(1),
+                adversary: None,
+                mesh: node::net::DEFAULT_MESH,
+                role: if a.relay { Role::Relay } else { Role::Seed },
+                addr_file: a.addr_file,
+            },
+            None,
+        );
     }
     let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
     runtime()?.block_on(async move {
@@ -300,7 +321,7 @@ async fn shutdown() {
 }
 
 /// One line of `--status`.
-#[derive(Serialize, Default, Clone)]
+#[derive(Serialize, Default, Clone, Debug)]
 pub struct StatusLine {
     pub node: String,
     pub step: u64,
@@ -327,12 +348,21 @@ pub struct StatusLine {
     /// When each peer's update for the step checked out here (peer id → unix ms); only those
     /// that arrived before this line was written (at the step's apply).
     pub arrivals: BTreeMap<String, u64>,
+    /// Held-out loss after applying the step (every `--eval-every` steps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// Penalties and bans this node has handed out so far (cumulative).
+    #[serde(default)]
+    pub penalties: u64,
+    #[serde(default)]
+    pub bans: u64,
 }
 
 struct Gauges {
     step: Gauge,
     peers: Gauge,
     loss: Gauge<f64, std::sync::atomic::AtomicU64>,
+    eval: Gauge<f64, std::sync::atomic::AtomicU64>,
     rejected: Gauge,
     fetches: Gauge,
 }
@@ -419,6 +449,11 @@ struct Node {
     /// Per step: when each peer's update checked out here (sender → unix ms), for the
     /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
     arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
+    /// Penalties and bans handed out (the status line's counters).
+    penalties: u64,
+    bans: u64,
+    /// `--tui`: the live view's feed (bounded; a full queue drops the frame, never blocks).
+    tui: Option<crate::tui::Feed>,
 }
 
 /// Run peers from which on discovery slows down: twice gossipsub's `mesh_n_low`; gossip and
@@ -543,6 +578,12 @@ impl Node {
             }
             Action::Penalize { peer, reason, .. } => {
                 tracing::info!(%peer, %reason, "penalized");
+                self.penalties += 1;
+                self.show(crate::tui::Update::Offence {
+                    peer: peer.peer_id_string(),
+                    reason: reason.to_string(),
+                    ban: false,
+                });
                 let s = self.engine.score(&peer) as f64;
                 self.swarm
                     .behaviour_mut()
@@ -551,6 +592,12 @@ impl Node {
             }
             Action::Ban { peer, reason } => {
                 tracing::warn!(%peer, %reason, "banned");
+                self.bans += 1;
+                self.show(crate::tui::Update::Offence {
+                    peer: peer.peer_id_string(),
+                    reason: reason.to_string(),
+                    ban: true,
+                });
                 self.cut_off(&peer);
             }
             Action::SetTimer { at } => self.timer = Some(at),
@@ -833,6 +880,7 @@ impl Node {
                 digest,
                 ms,
                 included,
+                eval,
             } => {
                 // Queued before the engine hears of it (it may answer with the next Apply at
                 // once, while catching up); the trainer labels both with the version it holds.
@@ -849,15 +897,27 @@ impl Node {
                     step,
                     digest: Digest(digest),
                 });
-                self.write_status(step, Digest(digest), ms, included);
+                if let Some(e) = eval {
+                    self.gauges.eval.set(e);
+                }
+                self.write_status(step, Digest(digest), ms, included, eval);
                 if last && self.done_at.is_none() {
                     self.done_at = Some(now_ms() + 2 * self.engine.run().timing.period_ms);
                 }
             }
-            Reply::Saved { version, path } => match path {
-                Ok(p) => tracing::debug!(version, "saved {}", p.display()),
-                Err(e) => tracing::warn!(version, "checkpoint not written: {e}"),
-            },
+            Reply::Saved { version, path } => {
+                let what = match path {
+                    Ok(p) => {
+                        tracing::debug!(version, "saved {}", p.display());
+                        format!("saved v{version}")
+                    }
+                    Err(e) => {
+                        tracing::warn!(version, "checkpoint not written: {e}");
+                        format!("v{version} NOT written: {e}")
+                    }
+                };
+                self.show(crate::tui::Update::Checkpoint(what));
+            }
             Reply::Failed(e) => bail!("trainer: {e}"),
         }
         self.flush_trainer();
@@ -1019,6 +1079,10 @@ impl Node {
         let t = &self.engine.run().timing;
         let (manifest_ms, total_ms) = (t.period_ms.max(1000), 6 * t.period_ms.max(1000));
         let names: Vec<String> = peers.iter().map(|p| p.peer_id_string()).collect();
+        self.show(crate::tui::Update::Checkpoint(format!(
+            "downloading ≥ v{min_version} from {} peers",
+            peers.len()
+        )));
         tracing::info!(
             min_version,
             peers = peers.len(),
@@ -1196,7 +1260,14 @@ impl Node {
     /// Log the applied step and append it to `--status`. A failed write (a full disk, a
     /// removed file) is logged, once, and the node goes on: the status file is a report, and
     /// losing a line of it must not stop training.
-    fn write_status(&mut self, step: u64, digest: Digest, apply_ms: u64, included: usize) {
+    fn write_status(
+        &mut self,
+        step: u64,
+        digest: Digest,
+        apply_ms: u64,
+        included: usize,
+        eval_loss: Option<f64>,
+    ) {
         let bw = net::bandwidth(&self.reg.lock().expect("registry lock"));
         let (din, dout) = (
             bw.0.saturating_sub(self.last_bw.0),
@@ -1234,6 +1305,9 @@ impl Node {
             included_tokens,
             published_ms: self.published.get(&step).copied(),
             arrivals: self.arrivals.get(&step).cloned().unwrap_or_default(),
+            eval_loss,
+            penalties: self.penalties,
+            bans: self.bans,
         };
         tracing::info!(
             step,
@@ -1248,43 +1322,24 @@ impl Node {
         if let Some(f) = &mut self.status {
             f.line(&serde_json::to_string(&line).expect("a status line serializes"));
         }
+        self.show(crate::tui::Update::Status(Box::new(line)));
+    }
+
+    /// Tell the live view (`--tui`), if there is one; never waits.
+    fn show(&self, u: crate::tui::Update) {
+        if let Some(t) = &self.tui {
+            t.send(u);
+        }
     }
 }
 
 async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registry>>) -> Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("metrics on {addr}"))?;
     tracing::info!("metrics at http://{addr}/metrics");
-    loop {
-        let (mut s, _) = l.accept().await?;
-        let reg = reg.clone();
-        tokio::spawn(async move {
-            // One small GET; a bounded read is all a scraper needs.
-            let mut buf = [0u8; 1024];
-            let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") {
-                let mut text = String::new();
-                let _ = prometheus_client::encoding::text::encode(
-                    &mut text,
-                    &reg.lock().expect("registry lock"),
-                );
-                ("200 OK", text)
-            } else {
-                ("404 Not Found", "try /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-        });
-    }
+    node::metrics::serve(l, reg).await?;
+    Ok(())
 }
 
 /// The trainer, resumed from the newest checkpoint in `dir` that loads (older ones are tried
@@ -1319,7 +1374,8 @@ fn make_trainer(
     Ok(t)
 }
 
-pub fn run(a: RunArgs) -> Result<()> {
+/// `log`: where tracing writes while `--tui` draws (main sets it up; `None` without a view).
+pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
     let run = load_run(&a.run, a.genesis_ms)?;
     let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
     let device = train::parse_device(&a.device)?;
@@ -1346,7 +1402,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         batch,
         device,
         a.checkpoint_dir.as_deref(),
-    )?;
+    )?
+    .with_eval(a.eval_every, a.eval_batches);
     std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || trainer.serve(cmd_rx, rep_tx))?;
@@ -1383,6 +1440,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             step: Gauge::default(),
             peers: Gauge::default(),
             loss: Gauge::default(),
+            eval: Gauge::default(),
             rejected: Gauge::default(),
             fetches: Gauge::default(),
         };
@@ -1400,6 +1458,11 @@ pub fn run(a: RunArgs) -> Result<()> {
             "swarm_train_loss",
             "Loss of the last local batch",
             gauges.loss.clone(),
+        );
+        reg.register(
+            "swarm_eval_loss",
+            "Held-out loss of this node's parameters (every --eval-every steps)",
+            gauges.eval.clone(),
         );
         reg.register(
             "swarm_rejected",
@@ -1484,6 +1547,9 @@ pub fn run(a: RunArgs) -> Result<()> {
             listen_addrs: Vec::new(),
             published: BTreeMap::new(),
             arrivals: BTreeMap::new(),
+            penalties: 0,
+            bans: 0,
+            tui: None,
         };
         if a.role != Role::Trainer {
             node.engine.set_listen(Vec::new(), a.role.capabilities());
@@ -1530,6 +1596,25 @@ pub fn run(a: RunArgs) -> Result<()> {
                 }
             });
         }
+        // `--tui`: the view runs on its own thread until `_view` drops (any return below).
+        let quit = Arc::new(tokio::sync::Notify::new());
+        let _view = match log {
+            Some(log) => {
+                let view = crate::tui::View::new(
+                    node.name.clone(),
+                    run.name.clone(),
+                    run.timing.genesis_ms,
+                    run.timing.period_ms,
+                    log,
+                );
+                let q = quit.clone();
+                let t = crate::tui::Tui::start(view, move || q.notify_one())
+                    .context("--tui: taking over the terminal")?;
+                node.tui = Some(t.feed.clone());
+                Some(t)
+            }
+            None => None,
+        };
         node.feed(Event::Timer);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut discover = tokio::time::interval(Duration::from_secs(5));
@@ -1568,7 +1653,9 @@ pub fn run(a: RunArgs) -> Result<()> {
                         last_discover = now_ms();
                         let _ = node.swarm.behaviour_mut().kad.bootstrap();
                     }
+                    node.show(crate::tui::Update::Peers(node.members.len()));
                 }
+                _ = quit.notified() => return Ok(()),
                 _ = shutdown() => return Ok(()),
             }
         }

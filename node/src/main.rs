@@ -9,6 +9,7 @@ mod cmd_train;
 mod hostile;
 mod plot;
 mod trainer;
+mod tui;
 
 use clap::{Parser, Subcommand};
 
@@ -24,8 +25,11 @@ Start here:\n  swarm train                      train `tiny` on the embedded syn
 swarm train --optimizer adamw    the AdamW + all-reduce baseline on the same data\n  \
 swarm codec size --model 1.2b    bytes of one update for the DisTrO report's 1.2B model\n  \
 swarm export --checkpoint F --out DIR   the model as a Hugging Face directory (transformers)\n  \
-swarm eval --checkpoint F --data T      held-out loss, perplexity, bits per byte (JSON)\n\n\
-Logging: set RUST_LOG (e.g. RUST_LOG=debug)."
+swarm eval --checkpoint F --data T      held-out loss, perplexity, bits per byte (JSON)\n  \
+swarm demo                       a local swarm of 4 nodes, live, then a report beside AdamW\n  \
+swarm run --tui …                one node in a run, with a live terminal view (q leaves)\n\n\
+Logging: set RUST_LOG (e.g. RUST_LOG=debug or RUST_LOG=info,libp2p_gossipsub=warn); with\n\
+`swarm run --tui` the log shows in the view's bottom pane instead of on stderr."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -81,15 +85,35 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only for a person at a terminal: log files and pipes get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let filter =
+        || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // `swarm run --tui` at a terminal: the log goes to the view's pane, not over the screen.
+    let tui_log = match &cli.cmd {
+        Cmd::Run(a) if a.tui => {
+            if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                Some(tui::LogRing::default())
+            } else {
+                eprintln!("--tui: stdout is not a terminal; writing plain status lines instead");
+                None
+            }
+        }
+        _ => None,
+    };
+    match &tui_log {
+        Some(ring) => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(ring.clone())
+            .with_ansi(false)
+            .without_time()
+            .init(),
+        None => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            // Colour only for a person at a terminal: log files and pipes get plain text.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
     match cli.cmd {
         Cmd::Train(a) => cmd_train::run(*a),
         Cmd::Codec(c) => cmd_codec::run(c),
@@ -111,7 +135,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", id.node_id().peer_id_string());
             Ok(())
         }
-        Cmd::Run(a) => cmd_net::run(*a),
+        Cmd::Run(a) => cmd_net::run(*a, tui_log),
         Cmd::Bootstrap(a) => cmd_net::bootstrap(a),
         Cmd::Demo(a) => cmd_demo::run(a),
         Cmd::Export(a) => cmd_model::export(a),

@@ -5,11 +5,24 @@ use plotters::prelude::*;
 use std::path::Path;
 use train::run::Report;
 
-/// Loss against step: each report's train loss (thin) and eval loss (thick, with points), and
-/// the corpus's loss floor when it is known.
+/// A report's family: the text in its label's last parentheses ("n1 (swarm)" → "swarm"), else
+/// the whole label. Members of a family share a colour and one legend entry, so a demo's four
+/// swarm nodes read as one method beside AdamW.
+pub fn family(label: &str) -> &str {
+    match (label.rfind('('), label.ends_with(')')) {
+        (Some(i), true) => &label[i + 1..label.len() - 1],
+        _ => label,
+    }
+}
+
+/// Two panels over one step axis. Top: each report's train loss (thin) and eval loss (thick
+/// line with points), one colour per family, and the corpus's loss floor (dashed) when it is
+/// known. Bottom: bytes each node sends per step (log scale: AdamW's all-reduce and the
+/// swarm's sparse updates are orders of magnitude apart).
 pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
-    let root = BitMapBackend::new(out, (1000, 600)).into_drawing_area();
+    let root = BitMapBackend::new(out, (1000, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let (top, bottom) = root.split_vertically(560);
     // The x axis runs to the last step recorded: a local-steps report records one entry per
     // window, at the window's last batch, so counting entries cut its second half off.
     let steps = reports
@@ -20,10 +33,17 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .max(1) as f64;
     let all: Vec<f64> = reports
         .iter()
-        .flat_map(|(_, r)| r.steps.iter().map(|s| s.train_loss).chain(r.loss_floor))
+        .flat_map(|(_, r)| {
+            r.steps
+                .iter()
+                .map(|s| s.train_loss)
+                .chain(r.steps.iter().filter_map(|s| s.eval_loss))
+                .chain(r.loss_floor)
+        })
         .filter(|x| x.is_finite())
         .collect();
     let lo = all.iter().cloned().fold(f64::INFINITY, f64::min);
+    let lo = if lo.is_finite() { lo } else { 0.0 };
     // Skip the first few steps' huge losses when choosing the top of the axis.
     let hi = reports
         .iter()
@@ -33,6 +53,7 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
                 .skip(r.steps.len() / 20)
                 .map(|s| s.train_loss)
         })
+        .filter(|x| x.is_finite())
         .fold(lo + 0.1, f64::max);
     let title = match reports {
         [(_, r)] => format!(
@@ -41,49 +62,75 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
             format!("{:?}", r.options.optimizer).to_lowercase(),
             short(&r.data)
         ),
-        _ => format!(
-            "loss: {}",
-            reports
-                .iter()
-                .map(|(l, _)| l.as_str())
-                .collect::<Vec<_>>()
-                .join(" vs ")
-        ),
+        _ => {
+            let mut fams: Vec<&str> = Vec::new();
+            for (l, _) in reports {
+                if !fams.contains(&family(l)) {
+                    fams.push(family(l));
+                }
+            }
+            format!("loss: {}", fams.join(" vs "))
+        }
     };
-    let mut chart = ChartBuilder::on(&root)
+
+    let mut chart = ChartBuilder::on(&top)
         .caption(title, ("sans-serif", 22))
         .margin(15)
-        .x_label_area_size(40)
+        .x_label_area_size(30)
         .y_label_area_size(60)
         .build_cartesian_2d(0f64..steps, (lo - 0.05 * (hi - lo))..hi)
         .map_err(|e| anyhow!("{e}"))?;
     chart
         .configure_mesh()
-        .x_desc("step")
         .y_desc("loss (nats/token)")
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let mut fams: Vec<&str> = Vec::new();
+    for (l, _) in reports {
+        if !fams.contains(&family(l)) {
+            fams.push(family(l));
+        }
+    }
+    // A family's colour, and whether report `i` is its first (the one that gets the legend).
+    let colour = |i: usize| -> (RGBColor, bool) {
+        let f = family(&reports[i].0);
+        let k = fams.iter().position(|x| *x == f).unwrap_or(0);
+        let first = reports.iter().position(|(l, _)| family(l) == f) == Some(i);
+        (palette[k % palette.len()], first)
+    };
+    let members = |f: &str| reports.iter().filter(|(l, _)| family(l) == f).count();
     for (i, (label, r)) in reports.iter().enumerate() {
-        let c = palette[i % palette.len()];
-        chart
+        let (c, first) = colour(i);
+        let fam = family(label);
+        let name = match members(fam) {
+            1 => label.clone(),
+            n => format!("{fam} ({n} nodes)"),
+        };
+        let s = chart
             .draw_series(LineSeries::new(
                 r.steps.iter().map(|s| (s.step as f64, s.train_loss)),
                 c.mix(0.35),
             ))
-            .map_err(|e| anyhow!("{e}"))?
-            .label(format!("{label} train"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.mix(0.35)));
+            .map_err(|e| anyhow!("{e}"))?;
+        if first {
+            s.label(format!("{name} train"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.mix(0.35)));
+        }
         let evals: Vec<(f64, f64)> = r
             .steps
             .iter()
             .filter_map(|s| s.eval_loss.map(|e| (s.step as f64, e)))
             .collect();
-        chart
+        let s = chart
             .draw_series(LineSeries::new(evals.clone(), c.stroke_width(3)))
-            .map_err(|e| anyhow!("{e}"))?
-            .label(format!("{label} eval (final {:.4})", r.final_eval_loss))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+            .map_err(|e| anyhow!("{e}"))?;
+        if first {
+            s.label(format!("{name} eval (final {:.4})", r.final_eval_loss))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+                });
+        }
         chart
             .draw_series(evals.iter().map(|&p| Circle::new(p, 3, c.filled())))
             .map_err(|e| anyhow!("{e}"))?;
@@ -107,8 +154,70 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .position(SeriesLabelPosition::UpperRight)
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
+
+    // Bytes each node sends per step, one colour per family as above.
+    let sent: Vec<f64> = reports
+        .iter()
+        .flat_map(|(_, r)| r.steps.iter().map(|s| s.bytes_sent as f64))
+        .filter(|b| *b > 0.0)
+        .collect();
+    let (bmin, bmax) = sent
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(a, b), x| (a.min(*x), b.max(*x)));
+    let (bmin, bmax) = if sent.is_empty() {
+        (1.0, 10.0)
+    } else {
+        (bmin / 2.0, bmax * 2.0)
+    };
+    let mut bytes = ChartBuilder::on(&bottom)
+        .caption("bytes sent per node per step", ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..steps, (bmin..bmax).log_scale())
+        .map_err(|e| anyhow!("{e}"))?;
+    bytes
+        .configure_mesh()
+        .x_desc("step (batches per node)")
+        .y_desc("bytes (log)")
+        .y_label_formatter(&|b| human_bytes(*b))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (i, (label, r)) in reports.iter().enumerate() {
+        let (c, first) = colour(i);
+        let pts: Vec<(f64, f64)> = r
+            .steps
+            .iter()
+            .filter(|s| s.bytes_sent > 0)
+            .map(|s| (s.step as f64, s.bytes_sent as f64))
+            .collect();
+        let s = bytes
+            .draw_series(LineSeries::new(pts, c.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?;
+        if first {
+            let fam = family(label).to_string();
+            s.label(fam)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+        }
+    }
+    bytes
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
+}
+
+fn human_bytes(b: f64) -> String {
+    match b {
+        b if b >= 1e9 => format!("{:.0} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.0} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.0} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
 }
 
 fn short(s: &str) -> String {
@@ -271,4 +380,74 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .map_err(|e| anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_of_one_swarm_are_one_family() {
+        assert_eq!(family("n1 (swarm)"), "swarm");
+        assert_eq!(family("n2 (swarm)"), "swarm");
+        assert_eq!(family("adamw all-reduce"), "adamw all-reduce");
+        assert_eq!(family("k(4) demo"), "k(4) demo");
+    }
+
+    #[test]
+    fn the_loss_plot_has_two_panels_and_copes_with_missing_evals() {
+        let opts = train::run::TrainOptions {
+            model: protocol::config::ModelConfig::named("tiny", 32).expect("tiny exists"),
+            optimizer: train::run::Optimizer::Demo,
+            replicas: 4,
+            steps: 50,
+            batch: 4,
+            seed: 0,
+            optim: Default::default(),
+            adamw_lr: 3e-3,
+            adamw_wd: 0.1,
+            eval_every: 10,
+            eval_batches: 4,
+            schedule: Default::default(),
+            init: None,
+        };
+        let rep = |eval: bool, bytes: u64| Report {
+            options: opts.clone(),
+            data: "synthetic".into(),
+            params: 1,
+            device: "Cpu".into(),
+            threads: 1,
+            loss_floor: Some(1.0),
+            update_bytes: None,
+            steps: (0..50u32)
+                .map(|i| train::run::StepRecord {
+                    step: i,
+                    train_loss: 3.0 - i as f64 * 0.03,
+                    eval_loss: (eval && i % 10 == 9).then_some(3.1 - i as f64 * 0.03),
+                    bytes_sent: bytes,
+                    ..Default::default()
+                })
+                .collect(),
+            final_eval_loss: 1.6,
+            wall_seconds: 1.0,
+            codec_fraction: None,
+            final_digest: String::new(),
+        };
+        let reports = vec![
+            ("n1 (swarm)".to_string(), rep(true, 6_000)),
+            ("n2 (swarm)".to_string(), rep(false, 6_000)),
+            ("adamw all-reduce".to_string(), rep(true, 3_000_000)),
+        ];
+        let dir = std::env::temp_dir().join(format!("swarm-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let out = dir.join("p.png");
+        loss_plot(&reports, &out).expect("plots");
+        let png = std::fs::read(&out).expect("written");
+        assert_eq!(&png[1..4], b"PNG");
+        // IHDR: width and height, big-endian, at bytes 16..24.
+        let w = u32::from_be_bytes(png[16..20].try_into().expect("4 bytes"));
+        let h = u32::from_be_bytes(png[20..24].try_into().expect("4 bytes"));
+        assert_eq!((w, h), (1000, 820));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

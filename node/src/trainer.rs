@@ -121,6 +121,8 @@ pub enum Reply {
         digest: [u8; 32],
         ms: u64,
         included: usize,
+        /// Held-out loss of the parameters now held, every `--eval-every` versions.
+        eval: Option<f64>,
     },
     /// A checkpoint written (or why not: a full disk is the operator's problem, not a reason
     /// to leave the run).
@@ -155,6 +157,9 @@ pub struct Trainer {
     node: NodeTrainer,
     corpus: Corpus,
     snapshot: Option<Arc<Snapshot>>,
+    /// Evaluate every this many versions (0: never), on this many held-out batches.
+    eval_every: u64,
+    eval_batches: usize,
 }
 
 /// `v{N}.safetensors` → N.
@@ -193,7 +198,32 @@ impl Trainer {
             node: NodeTrainer::new(run, node, batch, device),
             corpus,
             snapshot: None,
+            eval_every: 0,
+            eval_batches: 0,
         })
+    }
+
+    /// Report the held-out loss every `every` versions (0: never) on `batches` batches of
+    /// the run's size: the same held-out stream and seed as `swarm demo`'s and `swarm
+    /// eval`'s final figure, so the curve ends where the report's number is.
+    pub fn with_eval(mut self, every: u64, batches: usize) -> Trainer {
+        self.eval_every = every;
+        self.eval_batches = batches.max(1);
+        self
+    }
+
+    /// The held-out loss if version `version` is one to evaluate.
+    fn maybe_eval(&self, version: u64) -> Option<f64> {
+        if self.eval_every == 0 || version % self.eval_every != 0 {
+            return None;
+        }
+        Some(train::run::eval_loss(
+            &self.node.model,
+            &self.corpus,
+            self.run.seed,
+            self.eval_batches,
+            self.run.batch_seqs as usize,
+        ))
     }
 
     /// Resume from checkpoint file `path` of `version`. Every tensor is checked before any is
@@ -354,12 +384,17 @@ impl Trainer {
                     }
                 }
                 Cmd::Apply { step, updates } => match self.apply(step, &updates) {
-                    Ok(()) => Reply::Applied {
-                        step,
-                        digest: self.node.digest(),
-                        ms: t0.elapsed().as_millis() as u64,
-                        included: updates.len(),
-                    },
+                    Ok(()) => {
+                        let digest = self.node.digest();
+                        let ms = t0.elapsed().as_millis() as u64;
+                        Reply::Applied {
+                            step,
+                            digest,
+                            ms,
+                            included: updates.len(),
+                            eval: self.maybe_eval(step + 1),
+                        }
+                    }
                     Err(e) => Reply::Failed(e.to_string()),
                 },
                 Cmd::Save { dir } => Reply::Saved {
