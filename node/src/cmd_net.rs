@@ -947,7 +947,7 @@ impl Node {
                     }
                 }
                 self.forged.extend(serve);
-                while self.forged.len() > 16 {
+                while self.forged.len() > crate::hostile::SERVE_KEEP {
                     self.forged.pop_front();
                 }
             }

@@ -5,8 +5,11 @@
 //! signs and publishes; the protocol-level ones (withholding, equivocation, malformed blobs)
 //! bypass the engine, which would refuse to sign them, and gossip forged frames directly.
 //!
-//! What a node cannot do alone: a Sybil flood needs many identities (restart with fresh keys
-//! instead; the simulator's `sybil` does it in process), and ALIE and IPM see only the
+//! Throwaway keys (issue 13): `forge-votes` signs two summaries per step that attest
+//! parameters nobody holds (forged votes and a fork attempt in one), and `crowd` brings 16
+//! fresh keys, proof of work paid once each, that announce a free-rider update every step from
+//! step [`CROWD_FROM`] on to crowd the per-step tables out. A full Sybil flood of churning
+//! identities stays the simulator's (`sybil`, in process). ALIE and IPM see only the
 //! previous step's honest updates (one step stale: the simulator's attackers see the current
 //! step's).
 
@@ -16,6 +19,7 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::engine::Included;
 use protocol::run::{RunConfig, RunId};
 use protocol::sparse::SparseUpdate;
+use protocol::wire::{Message, Signed, StepSummary};
 use sim::adversary as adv;
 
 use crate::trainer::Snapshot;
@@ -53,7 +57,23 @@ pub enum Adversary {
     /// Trains honestly but serves joiners checkpoints with one parameter changed (signed
     /// manifests of a digest nobody attested).
     FalseCheckpoint,
+    /// Every step: two different signed, priced summaries (one lists its update, one lists
+    /// nothing), both attesting a parameter digest nobody holds for its current version.
+    ForgeVotes,
+    /// From step [`CROWD_FROM`] on, [`CROWD_KEYS`] throwaway keys each announce a free-rider
+    /// (all-zero) update every step, claiming 1 token each.
+    Crowd,
 }
+
+/// First step of `crowd`: after the grace in which every peer present at the start counts as
+/// known, so the crowd's keys are strangers, as a crowd that turns up mid-run is.
+pub const CROWD_FROM: u64 = 6;
+/// Tokens `forge-votes` claims for its update (crowd updates claim 1).
+pub const FORGER_TOKENS: u64 = 100;
+/// Keys of `crowd`.
+pub const CROWD_KEYS: usize = 16;
+/// Blobs a hostile node keeps serving (a crowd's two steps and then some).
+pub const SERVE_KEEP: usize = 4 * CROWD_KEYS;
 
 /// What the hostile node does with a step's honest update.
 pub enum Move {
@@ -87,6 +107,8 @@ pub struct Hostile {
     pub kind: Adversary,
     seen: Vec<SparseUpdate>,
     own: VecDeque<(u64, Vec<u8>)>,
+    /// `crowd`'s keys and their proofs of work (made on first use).
+    crowd: Vec<(Identity, u64)>,
 }
 
 impl Hostile {
@@ -95,6 +117,7 @@ impl Hostile {
             kind,
             seen: Vec::new(),
             own: VecDeque::new(),
+            crowd: Vec::new(),
         }
     }
 
@@ -202,6 +225,72 @@ impl Hostile {
                 }
             }
             Adversary::FalseCheckpoint => Move::Update { blob, tokens },
+            Adversary::ForgeVotes => {
+                // The update claims a token count no honest node makes, so a drill can tell
+                // from the applied tokens whether it ever got in.
+                let (id, announce, upd) = adv::forge(
+                    run,
+                    forge.run_id,
+                    forge.me,
+                    forge.pow,
+                    step,
+                    forge.base,
+                    &blob,
+                    FORGER_TOKENS,
+                );
+                let forged = Digest(
+                    *blake3::hash(&[&b"forged"[..], &step.to_le_bytes()].concat()).as_bytes(),
+                );
+                let summary = |updates: Vec<ContentId>| {
+                    Message::Summary(Signed::sign(
+                        StepSummary {
+                            run: forge.run_id,
+                            step,
+                            sender: forge.me.node_id(),
+                            updates,
+                            params_version: forge.base.0,
+                            params_digest: forged,
+                            pow: forge.pow,
+                        },
+                        forge.me,
+                    ))
+                    .encode()
+                };
+                Move::Raw {
+                    gossip: vec![announce, summary(vec![id]), summary(Vec::new())],
+                    serve: vec![(id, upd)],
+                }
+            }
+            Adversary::Crowd => {
+                if step < CROWD_FROM {
+                    return Move::Nothing;
+                }
+                if self.crowd.is_empty() {
+                    let seed = forge.me.seed();
+                    self.crowd = (0..CROWD_KEYS as u64)
+                        .map(|i| {
+                            let id = Identity::from_seed(
+                                *blake3::hash(&[&seed[..], &i.to_le_bytes()].concat()).as_bytes(),
+                            );
+                            let pow = crypto::pow::solve(
+                                &forge.run_id.0,
+                                &id.node_id(),
+                                run.defence.pow_bits,
+                            );
+                            (id, pow)
+                        })
+                        .collect();
+                }
+                let free = adv::zero(&layout, k, run.optim.values).encode();
+                let (mut gossip, mut serve) = (Vec::new(), Vec::new());
+                for (id, pow) in &self.crowd {
+                    let (bid, announce, upd) =
+                        adv::forge(run, forge.run_id, id, *pow, step, forge.base, &free, 1);
+                    gossip.push(announce);
+                    serve.push((bid, upd));
+                }
+                Move::Raw { gossip, serve }
+            }
         }
     }
 }

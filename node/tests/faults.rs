@@ -569,3 +569,74 @@ fn a_joiner_loads_only_the_attested_checkpoint_and_stops_asking_a_liar() {
     assert_eq!(asked, banned, "asked {asked} but banned {banned}:\n{log}");
     let _ = std::fs::remove_dir_all(&l.dir);
 }
+
+/// Issue 13's drill with real processes: throwaway keys trying to steer four honest nodes.
+/// `forge-votes` signs two different summaries every step, both attesting a parameter digest
+/// nobody holds (forged votes for a fork, and summary equivocation); `crowd` brings 16 fresh
+/// keys at step 6 that announce free-rider updates every step into a run that keeps only 8
+/// updates per step. The honest nodes agree after every step, never ask for a checkpoint
+/// (nothing made them doubt their parameters), include all four honest updates in every step
+/// and never the forger's, and blame the forger.
+#[test]
+fn forged_votes_and_a_crowd_of_throwaway_keys_change_nothing() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let l = Local::new("throwaway", 2000, 7000);
+    let text = std::fs::read_to_string(&l.run)
+        .unwrap()
+        .replace("max_updates_per_step = 256", "max_updates_per_step = 8");
+    std::fs::write(&l.run, text).unwrap();
+    let steps = "14";
+    let _honest: Vec<Proc> = (0..4)
+        .map(|i| l.node(&format!("n{i}"), &["--steps", steps]))
+        .collect();
+    let _bad: Vec<Proc> = ["forge-votes", "crowd"]
+        .iter()
+        .map(|k| l.node(k, &["--steps", steps, "--adversary", k]))
+        .collect();
+    wait_until(100, "step 13 at the honest nodes", || {
+        (0..4).all(|i| last_step(&l.status(&format!("n{i}"))) >= Some(13))
+    });
+    let n: Vec<BTreeMap<u64, Line>> = (0..4).map(|i| lines(&l.status(&format!("n{i}")))).collect();
+    for i in 1..4 {
+        assert_eq!(agree(&n[0], &n[i], &format!("n0 vs n{i}")), n[0].len());
+    }
+    // Tokens of one honest update; hostile updates claim 100 (the forger) or 1 (the crowd),
+    // so the applied tokens of a step say whose updates were in it.
+    let honest = n[0].values().map(|x| x.tokens).max().unwrap();
+    assert!(honest > 200, "honest updates claim {honest} tokens");
+    let mut crowd_in = 0;
+    for (i, x) in n.iter().enumerate() {
+        for (s, line) in x.range(2..) {
+            let (h, rest) = (line.included_tokens / honest, line.included_tokens % honest);
+            assert_eq!(
+                h, 4,
+                "n{i} step {s}: not every honest update applied: {line:?}"
+            );
+            assert_eq!(
+                rest / 100,
+                0,
+                "n{i} step {s}: the forger's update applied: {line:?}"
+            );
+            assert!(line.included <= 8, "n{i} step {s}: {line:?}");
+            crowd_in += rest % 100;
+        }
+    }
+    let forger = l.peer_id("forge-votes");
+    for i in 0..4 {
+        let log = l.log(&format!("n{i}"));
+        assert!(
+            !log.contains("requesting a checkpoint"),
+            "n{i} doubted its parameters:\n{log}"
+        );
+        assert!(
+            log.lines()
+                .any(|x| (x.contains("penalized") || x.contains("banned")) && x.contains(&forger)),
+            "n{i} did not blame the forger {forger}:\n{log}"
+        );
+    }
+    // The crowd did reach the honest nodes (the drill mounted the attack): its free riders
+    // fill the slots the honest updates leave, never theirs.
+    assert!(crowd_in > 0, "no crowd update ever reached a table");
+    eprintln!("crowd updates applied over all honest nodes and steps: {crowd_in}");
+    let _ = std::fs::remove_dir_all(&l.dir);
+}

@@ -567,6 +567,61 @@ fn a_crowd_announcing_early_does_not_take_the_known_peers_slots() {
     assert_agree(&sim, &[0, 1, 2, 3], 8);
 }
 
+/// Item 5, found by the real-process drill (`node/tests/faults.rs`): the same keys crowd
+/// every step, so from their second step on they are no longer strangers (first heard in an
+/// earlier step) and hold the slots the honest peers leave. A node's own update used to be
+/// added on top of a full table: its summary then listed `max + 1` updates, every peer refused
+/// it as over the limit and penalized an honest node, and the sets (and digests) split. Its
+/// own update now takes a slot like a known peer's: a crowd key makes room.
+#[test]
+fn a_crowd_that_stays_does_not_push_a_node_s_summary_over_the_limit() {
+    let mut run = test_run(true);
+    run.limits.max_updates_per_step = 8;
+    run.validate().unwrap();
+    let mut sim = Sim::new(run.clone(), 4);
+    let crowd: Vec<Identity> = (0..12u8)
+        .map(|i| Identity::from_seed([140 + i; 32]))
+        .collect();
+    for step in 3..9u64 {
+        for (k, m) in crowd.iter().enumerate() {
+            let blob = make_update(&run, 60_000 + step * 100 + k as u64).encode();
+            // At every node, before any honest update of the step exists.
+            for node in 0..4 {
+                let at = run.timing.step_start(step) + 1 + k as u64;
+                sim.inject(at, node, m.node_id(), announce(&run, m, step, &blob));
+            }
+        }
+    }
+    sim.run_until(GENESIS + 11 * PERIOD);
+    for i in 0..4 {
+        assert!(!desynced(&sim, i), "node {i} desynced");
+        for j in 0..4 {
+            let peer = sim.nodes[j].id;
+            assert_eq!(
+                sim.nodes[i].engine.score(&peer),
+                0,
+                "node {i} penalized honest node {j}"
+            );
+        }
+    }
+    let ids = |i: usize, step: u64| sim_update_id(&run, i as u64, step);
+    let h0 = sim.history(0);
+    for step in 3..9u64 {
+        assert!(
+            h0[&step].0.len() <= 8,
+            "step {step}: {} updates",
+            h0[&step].0.len()
+        );
+        for i in 0..4 {
+            assert!(
+                h0[&step].0.contains(&ids(i, step)),
+                "step {step}: node {i}'s update left out"
+            );
+        }
+    }
+    assert_agree(&sim, &[0, 1, 2, 3], 10);
+}
+
 /// Item 8: an honest relay whose clock runs a step off forwards summaries one step outside
 /// the window. Each used to cost it 2 points, so 50 of them banned it. One step either side
 /// is now no misconduct; further out still is, and penalty scores decay step by step.

@@ -80,6 +80,21 @@ impl Engine {
             Ok(u) => sketch(&u),
             Err(e) => return refuse(e, out),
         };
+        // This node's update takes a slot like a known peer's: added on top of a full table
+        // it made this node's summary list `max + 1` updates, which every peer refuses (and
+        // blames this node for) — a crowd of keys that stayed a step could do that to every
+        // honest node (issue 13, item 5). A lower-standing occupant makes room; a table full
+        // of known peers keeps this node's update out here as it would anywhere else.
+        let occupants: Vec<NodeId> = self
+            .steps
+            .get(&step)
+            .map(|s| s.headers.keys().copied().collect())
+            .unwrap_or_default();
+        match self.slot(&occupants, self.me_id, step) {
+            Some(Some(victim)) => self.evict_header(step, victim, out),
+            Some(None) => {}
+            None => return refuse(WireError::BufferFull("updates per step"), out),
+        }
         let signed = Signed::sign(header, &self.me);
         // With a first-hop relay connected, upload the update to it once and let it gossip
         // the header and serve the blob (a slow uplink then carries each update once). Should
