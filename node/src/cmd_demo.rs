@@ -96,6 +96,9 @@ struct Status {
     eval_loss: Option<f64>,
 }
 
+/// The nodes evaluate every this many steps (windows), and the baseline at the same tokens.
+const EVAL_EVERY: u64 = 20;
+
 struct Proc {
     name: String,
     child: Child,
@@ -346,6 +349,7 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
                 "--threads",
                 "1",
             ])
+            .args(["--eval-every", &EVAL_EVERY.to_string()])
             .args(["--steps", &a.steps.to_string(), "--status"])
             .arg(&status)
             .args(["--mesh", &mesh.to_string()])
@@ -549,7 +553,8 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
         },
         adamw_lr: 3e-3,
         adamw_wd: 0.1,
-        eval_every: 0,
+        // The same points of the run as the nodes' evals: every EVAL_EVERY windows.
+        eval_every: EVAL_EVERY as u32 * hh,
         eval_batches: 4,
         schedule: Default::default(),
         init: None,
