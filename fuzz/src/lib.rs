@@ -273,3 +273,134 @@ pub fn engine_signed(data: &[u8]) -> usize {
     }
     accepted
 }
+
+/// A request-response request: the decoder never panics, and what it accepts is canonical.
+pub fn request(data: &[u8]) {
+    if let Ok(r) = protocol::download::Request::decode(data) {
+        assert_eq!(r.encode(), data);
+    }
+}
+
+/// The joiner's side of a checkpoint transfer (`protocol::download::CheckpointDownload`),
+/// driven by the input: three honest servers of one checkpoint and a liar that signs another
+/// of the same version. Each input byte picks a pending request and answers it honestly, with
+/// bytes taken from the input, with a failure, or lets time pass. Whatever the order, the
+/// download never panics, never finishes with parameters the honest servers did not sign
+/// (one liar cannot make two agree, and no server's answer counts for another), and never
+/// names for a ban a server that only ever answered honestly. Returns whether it finished.
+pub fn download(data: &[u8]) -> bool {
+    use protocol::download::{build_manifest, CheckpointDownload, DlAction, Request};
+
+    const CHUNK: u32 = 64;
+    let run = Digest([9; 32]);
+    let mut limits = protocol::run::Limits::for_blob(8192);
+    limits.max_checkpoint_chunk_bytes = 4096;
+    let honest: Vec<(String, Vec<u32>, Vec<u8>)> = vec![
+        ("a".into(), vec![4, 10], (0..160).map(|i| i as u8).collect()),
+        ("b".into(), vec![2, 2], vec![3; 16]),
+    ];
+    let mut lie = honest.clone();
+    lie[0].2[0] ^= 1;
+    let layout: Vec<(String, Vec<u32>)> = honest
+        .iter()
+        .map(|(n, s, _)| (n.clone(), s.clone()))
+        .collect();
+    let ids: Vec<Identity> = (0..4u8)
+        .map(|i| Identity::from_seed([40 + i; 32]))
+        .collect();
+    let peers: Vec<NodeId> = ids.iter().map(|i| i.node_id()).collect();
+    let version = 12;
+    let tensors = |p: usize| if p == 3 { &lie } else { &honest };
+    let manifests: Vec<_> = (0..4)
+        .map(|p| build_manifest(&ids[p], run, version, CHUNK, tensors(p)))
+        .collect();
+    let honest_digest = manifests[0].body.digest;
+    let answer = |p: usize, r: &Request| -> Vec<u8> {
+        match *r {
+            Request::Manifest { min_version } if min_version <= version => {
+                Message::Manifest(manifests[p].clone()).encode()
+            }
+            Request::Chunk { version: v, index } if v == version => {
+                let stream: Vec<u8> = tensors(p).iter().flat_map(|t| t.2.clone()).collect();
+                let lo = (index as usize * CHUNK as usize).min(stream.len());
+                let hi = (lo + CHUNK as usize).min(stream.len());
+                Message::Chunk(protocol::checkpoint::CheckpointChunk {
+                    run,
+                    version,
+                    index,
+                    data: stream[lo..hi].to_vec(),
+                })
+                .encode()
+            }
+            _ => Vec::new(),
+        }
+    };
+    let mut now = 1_000u64;
+    let (mut d, first) =
+        CheckpointDownload::start(run, limits, layout, version, &peers, now, 2_000, 12_000);
+    let mut pending: Vec<(usize, Request)> = Vec::new();
+    // Servers that were ever given something other than their honest answer.
+    let mut dirty = [false, false, false, true];
+    let mut done = false;
+    let mut check =
+        |acts: Vec<DlAction>, pending: &mut Vec<(usize, Request)>, dirty: &[bool; 4]| {
+            for a in acts {
+                match a {
+                    DlAction::Ask { peer, request } => {
+                        let p = peers
+                            .iter()
+                            .position(|x| *x == peer)
+                            .expect("asks only the peers given");
+                        pending.push((p, request));
+                    }
+                    DlAction::Ban { peer, reason } => {
+                        let p = peers
+                            .iter()
+                            .position(|x| *x == peer)
+                            .expect("bans only the peers given");
+                        assert!(dirty[p], "honest server {p} banned: {reason}");
+                    }
+                    DlAction::Done { digest, .. } => {
+                        assert_eq!(
+                            digest, honest_digest,
+                            "finished on parameters no two honest servers signed"
+                        );
+                        done = true;
+                    }
+                    DlAction::Failed { .. } => {}
+                }
+            }
+        };
+    check(first, &mut pending, &dirty);
+    let mut i = 0;
+    while i < data.len() && !d.finished() {
+        let b = data[i];
+        i += 1;
+        if pending.is_empty() || b & 3 == 3 {
+            now += (b >> 2) as u64 * 100;
+            let acts = d.tick(now);
+            check(acts, &mut pending, &dirty);
+            continue;
+        }
+        let (p, r) = pending.remove((b >> 2) as usize % pending.len());
+        let acts = match b & 3 {
+            0 => d.on_response(peers[p], &r, &answer(p, &r), now),
+            1 => {
+                let n = data.get(i).copied().unwrap_or(0) as usize;
+                let bytes = data
+                    .get(i + 1..(i + 1 + n).min(data.len()))
+                    .unwrap_or(&[])
+                    .to_vec();
+                i += 1 + n;
+                if bytes != answer(p, &r) {
+                    dirty[p] = true;
+                }
+                d.on_response(peers[p], &r, &bytes, now)
+            }
+            _ => d.on_failure(peers[p], &r, now),
+        };
+        check(acts, &mut pending, &dirty);
+    }
+    drop(check);
+    done
+}

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 type Target = fn(&[u8]);
 
-const TARGETS: [(&str, Target); 6] = [
+const TARGETS: [(&str, Target); 8] = [
     ("frame", swarm_fuzz::frame),
     ("blob", swarm_fuzz::blob),
     ("cbor_precheck", swarm_fuzz::cbor_precheck),
@@ -17,6 +17,10 @@ const TARGETS: [(&str, Target); 6] = [
         swarm_fuzz::engine_signed(d);
     }),
     ("peer_id", swarm_fuzz::peer_id),
+    ("request", swarm_fuzz::request),
+    ("download", |d| {
+        swarm_fuzz::download(d);
+    }),
 ];
 
 fn root() -> PathBuf {
@@ -96,6 +100,12 @@ fn every_target_survives_its_corpus() {
         // the golden frames teach it nothing, and each input signs dozens of messages.
         let mut inputs = if name == "engine_signed" {
             pseudo_random(1000, 1024, 3)
+        } else if name == "download" {
+            // Choices, too: each byte picks an answer (see `swarm_fuzz::download`).
+            let mut v = pseudo_random(2000, 256, 5);
+            // All honest answers, in every order the picks give: the download must finish.
+            v.extend((0..64u8).map(|k| vec![k << 2; 64]));
+            v
         } else {
             common.clone()
         };
@@ -106,6 +116,14 @@ fn every_target_survives_its_corpus() {
         }
         eprintln!("{name}: {} inputs in {:?}", inputs.len(), t0.elapsed());
     }
+}
+
+/// The download target reaches the end: with honest answers it finishes on the honest
+/// checkpoint (so the corpus exercises the chunk phase, not only the manifests).
+#[test]
+fn download_inputs_reach_the_chunk_phase() {
+    // Every byte answers the first pending request honestly (op 0, pick 0).
+    assert!(swarm_fuzz::download(&[0u8; 64]));
 }
 
 /// The signed-message target reaches past the signature checks: over its pseudo-random inputs

@@ -6,6 +6,7 @@
 pub mod cbor;
 pub mod checkpoint;
 pub mod config;
+pub mod download;
 pub mod engine;
 pub mod error;
 pub mod rng;
