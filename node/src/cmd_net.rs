@@ -1198,12 +1198,16 @@ impl Node {
                     synced,
                     "checkpoint loaded"
                 );
-                if !synced && version == min_version {
-                    // Each of these servers attested (min_version, d) in a signed summary and
-                    // then signed a manifest of min_version with another digest: banned.
-                    for s in servers.iter().filter(|s| asked.contains(s)) {
-                        self.ban(*s, "signed a manifest against its own attested digest");
-                    }
+                let attested = self.engine.attested_digest(version);
+                for s in contradicted_attesters(
+                    synced,
+                    (version, want_d),
+                    min_version,
+                    attested,
+                    &servers,
+                    &asked,
+                ) {
+                    self.ban(s, "signed a manifest against its own attested digest");
                 }
                 if synced {
                     // What we loaded is what a quorum attests: a signed manifest of the same
@@ -1331,6 +1335,31 @@ impl Node {
             t.send(u);
         }
     }
+}
+
+/// The servers of a loaded checkpoint that provably contradicted themselves: each was asked
+/// because it attested `min_version` with the swarm's digest in a signed summary, then signed
+/// a manifest of that version with the digest just loaded, which the engine does not accept.
+/// Only while the swarm's attested digest for the version is still known and differs: once
+/// the attestation has aged out of the engine's window (a slow download, a swarm that moved
+/// on), "not synced" is no evidence against anyone, and banning then cut honest servers off.
+fn contradicted_attesters(
+    synced: bool,
+    loaded: (u64, Digest),
+    min_version: u64,
+    attested: Option<Digest>,
+    servers: &[NodeId],
+    asked: &[NodeId],
+) -> Vec<NodeId> {
+    let (version, digest) = loaded;
+    if synced || version != min_version || attested.is_none_or(|a| a == digest) {
+        return Vec::new();
+    }
+    servers
+        .iter()
+        .filter(|s| asked.contains(s))
+        .copied()
+        .collect()
 }
 
 async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registry>>) -> Result<()> {
@@ -1784,5 +1813,36 @@ mod run_file_tests {
             .expect("tiny-local-steps.toml runs local steps");
         assert_eq!(l.inner_steps, 2);
         assert_eq!(local.nominal_tokens(), 4 * 64 * 2);
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_ban_tests {
+    use super::{contradicted_attesters, Digest, NodeId};
+
+    #[test]
+    fn servers_are_banned_only_on_evidence_the_engine_still_holds() {
+        let (a, b, c) = (NodeId([1; 32]), NodeId([2; 32]), NodeId([3; 32]));
+        let (loaded, other) = (Digest([7; 32]), Digest([8; 32]));
+        let servers = [a, b];
+        let asked = [a, c];
+        // Attested digest known and different: the asked servers that served it lied.
+        assert_eq!(
+            contradicted_attesters(false, (5, loaded), 5, Some(other), &servers, &asked),
+            vec![a]
+        );
+        // The attestation aged out (a slow download, a swarm that moved on): no evidence.
+        assert!(contradicted_attesters(false, (5, loaded), 5, None, &servers, &asked).is_empty());
+        // It attests what was loaded, synced, or a newer version than asked for: nothing.
+        assert!(
+            contradicted_attesters(false, (5, loaded), 5, Some(loaded), &servers, &asked)
+                .is_empty()
+        );
+        assert!(
+            contradicted_attesters(true, (5, loaded), 5, Some(other), &servers, &asked).is_empty()
+        );
+        assert!(
+            contradicted_attesters(false, (6, loaded), 5, Some(other), &servers, &asked).is_empty()
+        );
     }
 }
