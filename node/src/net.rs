@@ -67,6 +67,10 @@ pub struct NetConfig {
     pub topic: Option<String>,
     pub max_connections: u32,
     pub request_timeout: Duration,
+    /// Inbound connections from one IP address (see [`crate::iplimit`]); loopback is exempt
+    /// when `exempt_loopback` (local swarms run every node on 127.0.0.1).
+    pub max_per_ip: u32,
+    pub exempt_loopback: bool,
     /// gossipsub's mesh degree (`mesh_n`; the others follow from it, see [`gossip_config`]).
     pub mesh: usize,
 }
@@ -78,6 +82,10 @@ pub struct NetConfig {
 pub fn max_inbound(max: u32) -> u32 {
     max - max / 4
 }
+
+/// Inbound connections one IP address may hold: a few nodes behind one NAT fit, a machine
+/// with a hundred keys does not (with two connections per peer: 4 peers).
+pub const MAX_PER_IP: u32 = 8;
 
 /// gossipsub's default mesh degree.
 pub const DEFAULT_MESH: usize = 6;
@@ -103,6 +111,8 @@ impl NetConfig {
             // Long enough for a multi-megabyte blob on a slow link; a step's summary window
             // bounds how long a fetch can be useful anyway.
             request_timeout: Duration::from_millis(run.timing.summary_ms.max(run.timing.period_ms)),
+            max_per_ip: MAX_PER_IP,
+            exempt_loopback: true,
             mesh: DEFAULT_MESH,
         }
     }
@@ -116,6 +126,8 @@ impl NetConfig {
             topic: None,
             max_connections: 1024,
             request_timeout: Duration::from_secs(10),
+            max_per_ip: MAX_PER_IP,
+            exempt_loopback: true,
             mesh: DEFAULT_MESH,
         }
     }
@@ -203,6 +215,7 @@ impl request_response::Codec for Codec {
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
     pub limits: connection_limits::Behaviour,
+    pub per_ip: crate::iplimit::Behaviour,
     pub gossipsub: gossipsub::Behaviour,
     pub identify: identify::Behaviour,
     pub kad: kad::Behaviour<kad::store::MemoryStore>,
@@ -312,6 +325,7 @@ pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetE
     );
     Ok(Behaviour {
         limits,
+        per_ip: crate::iplimit::Behaviour::new(cfg.max_per_ip, cfg.exempt_loopback),
         gossipsub,
         identify,
         kad,

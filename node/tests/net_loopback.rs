@@ -20,6 +20,8 @@ fn config() -> NetConfig {
         topic: Some("swarm/test/v1".into()),
         max_connections: 16,
         request_timeout: Duration::from_secs(5),
+        max_per_ip: node::net::MAX_PER_IP,
+        exempt_loopback: true,
         mesh: node::net::DEFAULT_MESH,
     }
 }
@@ -251,4 +253,45 @@ async fn dialers_cannot_take_the_slots_a_node_keeps_for_its_own_dials() {
     })
     .await;
     assert_eq!(incoming(&nodes), 3);
+}
+
+/// Issue 13, item 8: one machine with many keys cannot fill a node's inbound slots. Four
+/// dialers from one address (loopback, not exempt here) get two connections; the rest are
+/// denied, and the node still dials whom it chooses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_cannot_hold_more_than_its_share_of_inbound_connections() {
+    let cfg = NetConfig {
+        max_per_ip: 2,
+        exempt_loopback: false,
+        ..config()
+    };
+    let mut nodes = vec![node_with(&cfg).await];
+    for _ in 0..5 {
+        nodes.push(node().await);
+    }
+    let target = nodes[0].addr.clone();
+    for n in &mut nodes[1..5] {
+        n.swarm.dial(target.clone()).unwrap();
+    }
+    let incoming = |n: &[Node]| {
+        n[0].swarm
+            .network_info()
+            .connection_counters()
+            .num_established_incoming()
+    };
+    drive(&mut nodes, 10, |n| incoming(n) >= 2).await;
+    let settle = tokio::time::Instant::now() + Duration::from_secs(2);
+    drive(&mut nodes, 10, |_| tokio::time::Instant::now() >= settle).await;
+    assert_eq!(incoming(&nodes), 2);
+    let own = nodes[5].addr.clone();
+    nodes[0].swarm.dial(own).unwrap();
+    drive(&mut nodes, 10, |n| {
+        n[0].swarm
+            .network_info()
+            .connection_counters()
+            .num_established_outgoing()
+            == 1
+    })
+    .await;
+    assert_eq!(incoming(&nodes), 2);
 }
