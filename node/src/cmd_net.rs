@@ -940,6 +940,11 @@ impl Node {
             Move::Update { blob, tokens } => self.feed(Event::LocalUpdate { step, blob, tokens }),
             Move::Nothing => {}
             Move::Raw { gossip, serve } => {
+                tracing::info!(
+                    step,
+                    frames = gossip.len(),
+                    "hostile: gossiping forged frames"
+                );
                 for f in gossip {
                     let t = self.topic.clone();
                     if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(t, f) {
