@@ -622,6 +622,62 @@ fn a_crowd_that_stays_does_not_push_a_node_s_summary_over_the_limit() {
     assert_agree(&sim, &[0, 1, 2, 3], 10);
 }
 
+/// Item 5, found by the drill too: keys of a crowd whose updates pass a spot check (a free
+/// rider's constant update can lower a batch's loss by chance) used to count as known, level
+/// with the peers present from the start, so announced first they held the table and a late
+/// honest update was refused at one node and not another: the sets split. A passed check
+/// makes a key known for votes, but the slots of a full step go first to this node, the peers
+/// present from its start, trusted relays and long-standing contributors.
+#[test]
+fn a_crowd_that_passes_spot_checks_still_yields_its_slots_to_the_peers_of_the_start() {
+    let mut run = test_run(true);
+    run.limits.max_updates_per_step = 8;
+    run.defence = protocol::run::Defence {
+        spot_checks: 16,
+        majority: false,
+        copy_overlap_permille: 0,
+        accuse: false,
+        probation_steps: 0,
+        pow_bits: 0,
+        ..protocol::run::Defence::full()
+    };
+    run.validate().unwrap();
+    let mut sim = Sim::new(run.clone(), 4);
+    let crowd: Vec<Identity> = (0..12u8)
+        .map(|i| Identity::from_seed([120 + i; 32]))
+        .collect();
+    for step in 3..10u64 {
+        for (k, m) in crowd.iter().enumerate() {
+            let blob = make_update(&run, 70_000 + step * 100 + k as u64).encode();
+            // Ahead of the step (within the window): held before any honest update exists.
+            for node in 0..4 {
+                let at = run.timing.step_start(step) - 200 + k as u64;
+                sim.inject(at, node, m.node_id(), announce(&run, m, step, &blob));
+            }
+        }
+    }
+    sim.run_until(GENESIS + 12 * PERIOD);
+    let ids = |i: usize, step: u64| sim_update_id(&run, i as u64, step);
+    // The crowd was checked, passed, and got the slots the honest updates left.
+    assert!(sim
+        .actions(0)
+        .any(|a| matches!(a, Action::Report(Report::SpotResult { gain, .. }) if *gain > 0.0)));
+    assert!((4..10u64).all(|s| sim.history(0)[&s].0.len() == 8));
+    for n in 0..4 {
+        let h = sim.history(n);
+        for step in 3..10u64 {
+            assert!(h[&step].0.len() <= 8);
+            for i in 0..4 {
+                assert!(
+                    h[&step].0.contains(&ids(i, step)),
+                    "node {n} step {step}: node {i}'s update left out"
+                );
+            }
+        }
+    }
+    assert_agree(&sim, &[0, 1, 2, 3], 11);
+}
+
 /// Item 8: an honest relay whose clock runs a step off forwards summaries one step outside
 /// the window. Each used to cost it 2 points, so 50 of them banned it. One step either side
 /// is now no misconduct; further out still is, and penalty scores decay step by step.

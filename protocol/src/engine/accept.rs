@@ -238,10 +238,16 @@ impl Engine {
     }
 
     /// How much a peer's message in `step` is worth keeping when a per-step table is full:
-    /// 2 for this node and a peer it knows (`known`), 1 for one first heard from in an earlier step,
-    /// 0 for one first heard from now.
+    /// 3 for this node and the peers whose standing no throwaway key can earn quickly (present
+    /// from its start, a trusted relay, updates in many applied steps), 2 for one known
+    /// otherwise (a passed spot check or reputation: a free rider's constant update can pass
+    /// a check by chance, and the real-process drill saw such crowd keys, level with the
+    /// peers of the start, keep a late honest update out at one node), 1 for one first heard
+    /// from in an earlier step, 0 for one first heard from now.
     pub(super) fn standing(&self, peer: &NodeId, step: u64) -> u8 {
-        if *peer == self.me_id || self.known(peer) {
+        if *peer == self.me_id || self.established(peer) {
+            3
+        } else if self.known(peer) {
             2
         } else if self
             .peers

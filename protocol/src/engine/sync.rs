@@ -71,6 +71,25 @@ impl Engine {
         })
     }
 
+    /// Known for reasons that take time or the operator's word: a trusted relay, present by
+    /// the step this node first synced (+ grace), or in [`KNOWN_AFTER_INCLUDED`] applied steps
+    /// (see [`Engine::standing`]). Never a banned peer.
+    pub(super) fn established(&self, peer: &NodeId) -> bool {
+        if *peer == self.me_id || self.is_banned(peer) {
+            return false;
+        }
+        if self.trusted_relays.contains(peer) {
+            return true;
+        }
+        let Some(start) = self.first_synced else {
+            return false;
+        };
+        self.peers.get(peer).is_some_and(|p| {
+            p.included >= KNOWN_AFTER_INCLUDED
+                || p.first_step.is_some_and(|f| f <= start + KNOWN_GRACE_STEPS)
+        })
+    }
+
     /// The digest the swarm attests for `version` and who attests it, if any: a strict
     /// majority of the voters, and at least `attest_quorum` of them. The voters are the known
     /// peers (see [`Engine::known`]) when at least `attest_quorum` of them speak for
