@@ -56,6 +56,33 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
         #[arg(long, default_value_t = 4)]
         seqs: u32,
     },
+    /// Time the codec on a named model's shapes with random momenta: encode (momentum → DCT →
+    /// top-k → wire blob, with the decoupling subtraction), and aggregate + exact decode +
+    /// sign step for 8 and 32 updates; peak resident memory; GB/s of parameters.
+    #[command(
+        after_help = "Example: swarm codec bench --model small --repeat 3\nThe 1.2b model needs ~5 GB for its momentum alone and several times that in the encoder's\ntemporaries (docs/BENCHMARKS.md, \"The codec\")."
+    )]
+    Bench {
+        #[arg(long, default_value = "small")]
+        model: String,
+        /// Vocabulary for tiny/small (1.2b uses 32000).
+        #[arg(long, default_value_t = 256)]
+        vocab: u32,
+        #[command(flatten)]
+        knobs: Knobs,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Timed repetitions of each measurement (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// Update counts for aggregate-and-apply.
+        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
+        updates: Vec<usize>,
+        /// Write the figures as JSON here too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 /// The codec's settings, shared by `encode` and `size`.
@@ -224,7 +251,198 @@ pub fn run(c: CodecCmd) -> Result<()> {
             );
             Ok(())
         }
+        CodecCmd::Bench {
+            model,
+            vocab,
+            knobs:
+                Knobs {
+                    chunk,
+                    topk,
+                    values,
+                },
+            device,
+            repeat,
+            updates,
+            json,
+        } => bench(
+            &model, vocab, chunk, topk, values, &device, repeat, &updates, json,
+        ),
     }
+}
+
+/// Peak resident memory of this process so far (VmHWM), in bytes; None off Linux.
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let l = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = l.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Figures of `swarm codec bench`.
+#[derive(Serialize)]
+struct Bench {
+    model: String,
+    params: u64,
+    device: String,
+    chunk: u32,
+    topk: u32,
+    values: String,
+    update_bytes: usize,
+    encode_s: f64,
+    encode_gb_per_s: f64,
+    /// (updates, seconds for aggregate + exact decode + sign step, ms per update)
+    apply: Vec<(usize, f64, f64)>,
+    peak_rss_bytes: Option<u64>,
+    /// Peak after the encodes, before anything is applied.
+    peak_rss_encode_bytes: Option<u64>,
+    rss_before_bytes: Option<u64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench(
+    model: &str,
+    vocab: u32,
+    chunk: u32,
+    topk: u32,
+    values: ValueCodec,
+    device: &str,
+    repeat: usize,
+    counts: &[usize],
+    json: Option<PathBuf>,
+) -> Result<()> {
+    let Some(m) = ModelConfig::named(model, vocab) else {
+        bail!("unknown model {model:?} (tiny, small or 1.2b)")
+    };
+    let dev = train::parse_device(device)?;
+    let repeat = repeat.max(1);
+    let layout = Layout::for_model(&m, chunk);
+    let shapes = m.tensor_shapes();
+    let params: u64 = layout.numel() as u64;
+    let rss_before = peak_rss();
+    eprintln!(
+        "codec bench: {} ({} params, {} tensors) on {device}, chunk {chunk}, top-{topk}, {} values",
+        m.name,
+        params,
+        shapes.len(),
+        values.name()
+    );
+    tch::manual_seed(7);
+    let momentum = |salt: i64| -> Vec<Tensor> {
+        tch::manual_seed(7 + salt);
+        shapes
+            .iter()
+            .map(|(_, s)| {
+                let dims: Vec<i64> = s.iter().map(|&d| d as i64).collect();
+                Tensor::randn(dims.as_slice(), (Kind::Float, dev))
+            })
+            .collect()
+    };
+    let codec = DctCodec::new(layout.clone(), dev);
+    let sync = || {
+        if let Device::Cuda(i) = dev {
+            tch::Cuda::synchronize(i as i64);
+        }
+    };
+    // Encode: a fresh momentum each time (the decoupling subtracts in place).
+    let mut times = Vec::new();
+    let mut blob_len = 0;
+    for r in 0..repeat {
+        let mut mom = momentum(r as i64);
+        sync();
+        let t0 = std::time::Instant::now();
+        let u = codec.encode(&mut mom, topk, values);
+        let blob = u.encode();
+        sync();
+        times.push(t0.elapsed().as_secs_f64());
+        blob_len = blob.len();
+        eprintln!("  encode {}/{repeat}: {:.3} s", r + 1, times[r]);
+    }
+    let encode_s = median(times);
+    let peak_encode = peak_rss();
+    // Updates to apply: as many distinct encodes as the largest count.
+    let most = counts.iter().copied().max().unwrap_or(0);
+    let mut ups = Vec::with_capacity(most);
+    for i in 0..most {
+        let mut mom = momentum(1000 + i as i64);
+        ups.push(codec.encode(&mut mom, topk, values));
+        if (i + 1) % 8 == 0 || i + 1 == most {
+            eprintln!("  made {}/{most} updates to apply", i + 1);
+        }
+    }
+    let target: Vec<Tensor> = momentum(5000);
+    let mut apply = Vec::new();
+    for &n in counts {
+        let refs: Vec<&SparseUpdate> = ups.iter().take(n).collect();
+        let mut t = Vec::new();
+        for _ in 0..repeat {
+            sync();
+            let t0 = std::time::Instant::now();
+            let agg = sparse::aggregate(&layout, &refs);
+            let signs = codec.exact_sign(&agg);
+            train::demo::apply_sign_step(&target, &signs, 1e-4, 0.0);
+            sync();
+            t.push(t0.elapsed().as_secs_f64());
+        }
+        let s = median(t);
+        apply.push((n, s, s * 1e3 / n.max(1) as f64));
+    }
+    let peak = peak_rss();
+    let b = Bench {
+        model: m.name.clone(),
+        params,
+        device: device.to_string(),
+        chunk,
+        topk,
+        values: values.name().to_string(),
+        update_bytes: blob_len,
+        encode_s,
+        encode_gb_per_s: params as f64 * 4.0 / encode_s / 1e9,
+        apply,
+        peak_rss_bytes: peak,
+        peak_rss_encode_bytes: peak_encode,
+        rss_before_bytes: rss_before,
+    };
+    println!(
+        "{} ({} params) on {}: update {} B",
+        b.model, b.params, b.device, b.update_bytes
+    );
+    println!(
+        "{:<40} {:>10.3} s  ({:.2} GB/s of f32 parameters)",
+        "encode (median)", b.encode_s, b.encode_gb_per_s
+    );
+    for (n, s, per) in &b.apply {
+        println!(
+            "{:<40} {:>10.3} s  ({per:.1} ms per update)",
+            format!("aggregate + exact decode + apply, {n}"),
+            s
+        );
+    }
+    if let Some(p) = b.peak_rss_encode_bytes {
+        println!(
+            "{:<40} {:>10.0} MB",
+            "peak resident memory after the encodes",
+            p as f64 / 1e6
+        );
+    }
+    if let Some(p) = b.peak_rss_bytes {
+        println!(
+            "{:<40} {:>10.0} MB  (at start {:.0} MB; one momentum {:.0} MB of f32)",
+            "peak resident memory (whole process)",
+            p as f64 / 1e6,
+            b.rss_before_bytes.unwrap_or(0) as f64 / 1e6,
+            params as f64 * 4.0 / 1e6
+        );
+    }
+    if let Some(j) = json {
+        std::fs::write(&j, serde_json::to_string_pretty(&b)?)?;
+        println!("wrote {}", j.display());
+    }
+    Ok(())
 }
 
 /// The k an update was made with (tensors smaller than k cap it; take the largest).

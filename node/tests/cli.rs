@@ -182,3 +182,46 @@ fn codec_encode_decode_and_size() {
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("one update"), "{s}");
 }
+
+/// `swarm codec bench` on `tiny`: every figure the issue names is printed and in the JSON.
+#[test]
+fn codec_bench_reports_encode_apply_and_memory() {
+    let d = tmp("bench");
+    let json = d.join("b.json");
+    let out = swarm()
+        .args([
+            "codec",
+            "bench",
+            "--model",
+            "tiny",
+            "--repeat",
+            "1",
+            "--updates",
+            "2,4",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "encode (median)",
+        "GB/s",
+        "apply, 2",
+        "apply, 4",
+        "peak resident memory",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(v["encode_s"].as_f64().unwrap() > 0.0);
+    assert!(v["update_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(v["apply"].as_array().unwrap().len(), 2);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > v["params"].as_u64().unwrap() * 4);
+    let _ = std::fs::remove_dir_all(&d);
+}

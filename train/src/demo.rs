@@ -99,70 +99,73 @@ impl DctCodec {
         g.fh.tr().matmul(x).matmul(&g.fw)
     }
 
+    /// The group of layout entry `ti` (its chunk shape's bases).
+    fn group_of(&self, ti: usize) -> &Group {
+        self.groups
+            .iter()
+            .find(|g| g.tensors.contains(&ti))
+            .expect("every tensor is in a group")
+    }
+
+    /// Per-chunk top-k of `flat` (`[blocks, h·w]`) by magnitude: (indices, values).
+    fn top_k(flat: &Tensor, k: i64) -> (Tensor, Tensor) {
+        let (_, idx) = flat.abs().topk(k, 1, true, false);
+        let vals = flat.gather(1, &idx, false);
+        (idx, vals)
+    }
+
+    /// `[blocks, k]` index and value tensors as the wire's entry lists.
+    fn entries(idx: &Tensor, vals: &Tensor) -> (Vec<u32>, Vec<f32>) {
+        let n = idx.numel();
+        let mut iv = vec![0i64; n];
+        idx.to_device(Device::Cpu)
+            .to_kind(Kind::Int64)
+            .reshape([-1])
+            .copy_data(&mut iv, n);
+        let mut vv = vec![0f32; n];
+        vals.to_device(Device::Cpu)
+            .to_kind(Kind::Float)
+            .reshape([-1])
+            .copy_data(&mut vv, n);
+        (iv.into_iter().map(|x| x as u32).collect(), vv)
+    }
+
     /// Compress `deltas` (the momentum, one tensor per layout entry): keep the top-k DCT
     /// coefficients of each block, subtract their decoded (unquantized) part from the
-    /// momentum (DeMo's decoupling) and return what is sent.
+    /// momentum (DeMo's decoupling, in place) and return what is sent.
+    ///
+    /// One tensor at a time: the temporaries (its blocks, their transform, magnitudes, the
+    /// decoded part) are a small multiple of the largest tensor, not of the model, which a
+    /// group-wide batch made them (issue 16: ~6× the model's f32 size at peak).
     pub fn encode(&self, deltas: &mut [Tensor], k: u32, codec: ValueCodec) -> SparseUpdate {
-        let mut out: Vec<Option<TensorUpdate>> = vec![None; self.layout.tensors.len()];
+        let mut tensors = Vec::with_capacity(self.layout.tensors.len());
         tch::no_grad(|| {
-            for g in &self.groups {
+            for (ti, l) in self.layout.tensors.iter().enumerate() {
+                let g = self.group_of(ti);
                 let (h, w) = (g.h as i64, g.w as i64);
-                let blocks: Vec<Tensor> = g
-                    .tensors
-                    .iter()
-                    .map(|&i| to_blocks(&deltas[i], &self.layout.tensors[i]))
-                    .collect();
-                let counts: Vec<i64> = g
-                    .tensors
-                    .iter()
-                    .map(|&i| self.layout.tensors[i].blocks() as i64)
-                    .collect();
-                let x = Tensor::cat(&blocks, 0);
+                let x = to_blocks(&deltas[ti], l);
                 let nb = x.size()[0];
                 let flat = Self::forward(g, &x).reshape([nb, h * w]);
+                drop(x);
                 let ke = (k as i64).min(h * w);
-                let (_, idx) = flat.abs().topk(ke, 1, true, false);
-                let vals = flat.gather(1, &idx, false);
+                let (idx, vals) = Self::top_k(&flat, ke);
+                drop(flat);
                 // The kept part decoded as a sum of k rank-one terms per block
                 // (v · Fh[:, b] ⊗ Fw[:, d]): k·h·w work instead of two dense matmuls.
                 let dec = Self::sparse_inverse(&g.fht, &g.fwt, &idx, &vals, h, w);
-                let idx_cpu = idx.to_device(Device::Cpu).to_kind(Kind::Int64);
-                let val_cpu = vals.to_device(Device::Cpu).to_kind(Kind::Float);
-                let mut start = 0i64;
-                for (j, &ti) in g.tensors.iter().enumerate() {
-                    let l = &self.layout.tensors[ti];
-                    let part = dec.narrow(0, start, counts[j]);
-                    let _ = deltas[ti].g_sub_(&from_blocks(&part, l));
-                    let n = (counts[j] * ke) as usize;
-                    let mut iv = vec![0i64; n];
-                    idx_cpu
-                        .narrow(0, start, counts[j])
-                        .reshape([-1])
-                        .copy_data(&mut iv, n);
-                    let mut vv = vec![0f32; n];
-                    val_cpu
-                        .narrow(0, start, counts[j])
-                        .reshape([-1])
-                        .copy_data(&mut vv, n);
-                    let iu: Vec<u32> = iv.into_iter().map(|x| x as u32).collect();
-                    out[ti] = Some(TensorUpdate::from_entries(l, ke as usize, codec, &iu, &vv));
-                    start += counts[j];
-                }
+                let _ = deltas[ti].g_sub_(&from_blocks(&dec, l));
+                let (iu, vv) = Self::entries(&idx, &vals);
+                tensors.push(TensorUpdate::from_entries(l, ke as usize, codec, &iu, &vv));
             }
         });
-        SparseUpdate {
-            codec,
-            tensors: out
-                .into_iter()
-                .map(|t| t.expect("every tensor is in a group"))
-                .collect(),
-        }
+        SparseUpdate { codec, tensors }
     }
 
     /// Local steps' encode: per chunk, the top-k of `bufs` (the error-feedback buffers, one
     /// per layout entry) by magnitude, of the DCT coefficients when `dct` or of the raw values;
     /// values in `codec`; what the receivers will decode (the dequantized values) is
-    /// subtracted from the buffers in place, so the quantization error is fed back too.
+    /// subtracted from the buffers in place, so the quantization error is fed back too. One
+    /// tensor at a time, as [`DctCodec::encode`].
     pub fn encode_local(
         &self,
         bufs: &mut [Tensor],
@@ -170,16 +173,12 @@ impl DctCodec {
         codec: ValueCodec,
         dct: bool,
     ) -> SparseUpdate {
-        let mut out: Vec<Option<TensorUpdate>> = vec![None; self.layout.tensors.len()];
+        let mut tensors = Vec::with_capacity(self.layout.tensors.len());
         tch::no_grad(|| {
-            for g in &self.groups {
+            for (ti, l) in self.layout.tensors.iter().enumerate() {
+                let g = self.group_of(ti);
                 let (h, w) = (g.h as i64, g.w as i64);
-                let blocks: Vec<Tensor> = g
-                    .tensors
-                    .iter()
-                    .map(|&i| to_blocks(&bufs[i], &self.layout.tensors[i]))
-                    .collect();
-                let x = Tensor::cat(&blocks, 0);
+                let x = to_blocks(&bufs[ti], l);
                 let nb = x.size()[0];
                 let flat = if dct {
                     Self::forward(g, &x).reshape([nb, h * w])
@@ -187,34 +186,13 @@ impl DctCodec {
                     x.reshape([nb, h * w])
                 };
                 let ke = (k as i64).min(h * w);
-                let (_, idx) = flat.abs().topk(ke, 1, true, false);
-                let vals = flat.gather(1, &idx, false);
-                let idx_cpu = idx.to_device(Device::Cpu).to_kind(Kind::Int64);
-                let val_cpu = vals.to_device(Device::Cpu).to_kind(Kind::Float);
-                let mut deq_all: Vec<f32> = Vec::with_capacity((nb * ke) as usize);
-                let mut start = 0i64;
-                for &ti in &g.tensors {
-                    let l = &self.layout.tensors[ti];
-                    let cnt = l.blocks() as i64;
-                    let n = (cnt * ke) as usize;
-                    let mut iv = vec![0i64; n];
-                    idx_cpu
-                        .narrow(0, start, cnt)
-                        .reshape([-1])
-                        .copy_data(&mut iv, n);
-                    let mut vv = vec![0f32; n];
-                    val_cpu
-                        .narrow(0, start, cnt)
-                        .reshape([-1])
-                        .copy_data(&mut vv, n);
-                    let iu: Vec<u32> = iv.into_iter().map(|x| x as u32).collect();
-                    let (tu, deq) =
-                        TensorUpdate::from_entries_dequantized(l, ke as usize, codec, &iu, &vv);
-                    out[ti] = Some(tu);
-                    deq_all.extend(deq);
-                    start += cnt;
-                }
-                let deq = Tensor::from_slice(&deq_all)
+                let (idx, vals) = Self::top_k(&flat, ke);
+                drop(flat);
+                let (iu, vv) = Self::entries(&idx, &vals);
+                let (tu, deq) =
+                    TensorUpdate::from_entries_dequantized(l, ke as usize, codec, &iu, &vv);
+                tensors.push(tu);
+                let deq = Tensor::from_slice(&deq)
                     .view([nb, ke])
                     .to_device(x.device());
                 let dec = if dct {
@@ -224,20 +202,10 @@ impl DctCodec {
                         .scatter(1, &idx, &deq)
                         .view([nb, h, w])
                 };
-                let mut parts: Vec<Option<Tensor>> = (0..bufs.len()).map(|_| None).collect();
-                self.split_group(g, &dec, &mut parts);
-                for &ti in &g.tensors {
-                    let _ = bufs[ti].g_sub_(parts[ti].as_ref().expect("split fills the group"));
-                }
+                let _ = bufs[ti].g_sub_(&from_blocks(&dec, l));
             }
         });
-        SparseUpdate {
-            codec,
-            tensors: out
-                .into_iter()
-                .map(|t| t.expect("every tensor is in a group"))
-                .collect(),
-        }
+        SparseUpdate { codec, tensors }
     }
 
     /// The combined values themselves (local steps' outer step), decoded exactly: f32 tensors
