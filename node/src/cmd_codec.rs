@@ -229,9 +229,7 @@ pub fn run(c: CodecCmd) -> Result<()> {
             inner_steps,
             seqs,
         } => {
-            let Some(m) = ModelConfig::named(&model, vocab) else {
-                bail!("unknown model {model:?} (tiny, small or 1.2b)")
-            };
+            let m = named(&model, vocab)?;
             size_table(&m, chunk, topk, values, peers);
             let bytes = sparse::encoded_size(&Layout::for_model(&m, chunk), topk, values) as f64;
             let hh = inner_steps.max(1) as f64;
@@ -254,18 +252,18 @@ pub fn run(c: CodecCmd) -> Result<()> {
         CodecCmd::Bench {
             model,
             vocab,
-            knobs:
-                Knobs {
-                    chunk,
-                    topk,
-                    values,
-                },
+            knobs,
             device,
             repeat,
             updates,
             json,
         } => bench(
-            &model, vocab, chunk, topk, values, &device, repeat, &updates, json,
+            &named(&model, vocab)?,
+            &knobs,
+            &device,
+            repeat,
+            &updates,
+            json,
         ),
     }
 }
@@ -303,24 +301,26 @@ struct Bench {
     rss_before_bytes: Option<u64>,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A named model's config (`tiny`, `small`, `1.2b`).
+fn named(model: &str, vocab: u32) -> Result<ModelConfig> {
+    match ModelConfig::named(model, vocab) {
+        Some(m) => Ok(m),
+        None => bail!("unknown model {model:?} (tiny, small or 1.2b)"),
+    }
+}
+
 fn bench(
-    model: &str,
-    vocab: u32,
-    chunk: u32,
-    topk: u32,
-    values: ValueCodec,
+    m: &ModelConfig,
+    knobs: &Knobs,
     device: &str,
     repeat: usize,
     counts: &[usize],
     json: Option<PathBuf>,
 ) -> Result<()> {
-    let Some(m) = ModelConfig::named(model, vocab) else {
-        bail!("unknown model {model:?} (tiny, small or 1.2b)")
-    };
+    let (chunk, topk, values) = (knobs.chunk, knobs.topk, knobs.values);
     let dev = train::parse_device(device)?;
     let repeat = repeat.max(1);
-    let layout = Layout::for_model(&m, chunk);
+    let layout = Layout::for_model(m, chunk);
     let shapes = m.tensor_shapes();
     let params: u64 = layout.numel() as u64;
     let rss_before = peak_rss();

@@ -156,7 +156,7 @@ impl Hostile {
             blob: u.encode(),
             tokens,
         };
-        let forged = |b: &[u8]| {
+        let forged_with = |b: &[u8], tokens: u64| {
             adv::forge(
                 run,
                 forge.run_id,
@@ -168,6 +168,7 @@ impl Hostile {
                 tokens,
             )
         };
+        let forged = |b: &[u8]| forged_with(b, tokens);
         match self.kind {
             Adversary::Signflip => update(adv::signflip(&u, &layout)),
             Adversary::Noise => update(adv::noise(&u, &layout, k, 10.0, &mut rng)),
@@ -228,16 +229,7 @@ impl Hostile {
             Adversary::ForgeVotes => {
                 // The update claims a token count no honest node makes, so a drill can tell
                 // from the applied tokens whether it ever got in.
-                let (id, announce, upd) = adv::forge(
-                    run,
-                    forge.run_id,
-                    forge.me,
-                    forge.pow,
-                    step,
-                    forge.base,
-                    &blob,
-                    FORGER_TOKENS,
-                );
+                let (id, announce, upd) = forged_with(&blob, FORGER_TOKENS);
                 let forged = Digest(
                     *blake3::hash(&[&b"forged"[..], &step.to_le_bytes()].concat()).as_bytes(),
                 );

@@ -248,14 +248,14 @@ impl View {
             ),
             None => format!(" {name} loss: none yet "),
         };
-        spark(
+        spark_u(
             f,
             cols[0],
             &title("train", &train),
             &inverted(&train),
             Color::Cyan,
         );
-        spark(
+        spark_u(
             f,
             cols[1],
             &title("eval", &evals),
@@ -347,10 +347,6 @@ fn inverted(v: &[f64]) -> Vec<u64> {
     v.iter()
         .map(|x| 1 + ((x - lo) / span * 999.0).round() as u64)
         .collect()
-}
-
-fn spark(f: &mut Frame, area: Rect, title: &str, v: &[u64], c: Color) {
-    spark_u(f, area, title, v, c)
 }
 
 fn spark_u(f: &mut Frame, area: Rect, title: &str, v: &[u64], c: Color) {

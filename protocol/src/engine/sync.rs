@@ -54,21 +54,14 @@ impl Engine {
     /// work: had strangers a vote, a handful of throwaway keys could declare a node desynced
     /// and hand it their parameters (SECURITY.md, "Forged models").
     pub(super) fn known(&self, peer: &NodeId) -> bool {
-        if *peer == self.me_id || self.is_banned(peer) {
-            return false;
-        }
-        if self.trusted_relays.contains(peer) {
-            return true;
-        }
-        let Some(start) = self.first_synced else {
-            return false;
-        };
-        self.peers.get(peer).is_some_and(|p| {
-            p.passed > 0
-                || p.rep > 0
-                || p.included >= KNOWN_AFTER_INCLUDED
-                || p.first_step.is_some_and(|f| f <= start + KNOWN_GRACE_STEPS)
-        })
+        self.established(peer)
+            || (*peer != self.me_id
+                && !self.is_banned(peer)
+                && self.first_synced.is_some()
+                && self
+                    .peers
+                    .get(peer)
+                    .is_some_and(|p| p.passed > 0 || p.rep > 0))
     }
 
     /// Known for reasons that take time or the operator's word: a trusted relay, present by
