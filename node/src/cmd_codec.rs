@@ -109,12 +109,6 @@ struct CodecFile {
     blob: Vec<u8>,
 }
 
-fn shapes_of(tensors: &[(String, Tensor)]) -> Vec<(String, Vec<u32>)> {
-    tensors
-        .iter()
-        .map(|(n, t)| (n.clone(), t.size().iter().map(|&x| x as u32).collect()))
-        .collect()
-}
 
 pub fn run(c: CodecCmd) -> Result<()> {
     match c {
@@ -128,25 +122,37 @@ pub fn run(c: CodecCmd) -> Result<()> {
                 },
             output,
         } => {
-            let mut tensors = Tensor::read_safetensors(&input)
+            // Names and shapes from the header; then one tensor at a time through the
+            // encoder (sorted by name, so every encode agrees): the process holds one
+            // tensor and its temporaries, never the file (issue 16).
+            let (shapes, _) = train::hf::read_header(&input)
                 .with_context(|| format!("reading {}", input.display()))?;
-            // The reader's order is not the file's: sort by name so every encode agrees.
-            tensors.sort_by(|a, b| a.0.cmp(&b.0));
-            if tensors.is_empty() {
+            if shapes.is_empty() {
                 bail!("{} holds no tensors", input.display());
             }
-            let layout = Layout::from_shapes(&shapes_of(&tensors), chunk);
-            let codec = DctCodec::new(layout.clone(), Device::Cpu);
-            let mut deltas: Vec<Tensor> = tensors
-                .iter()
-                .map(|(_, t)| t.to_kind(Kind::Float).copy())
+            let names: Vec<String> = shapes.iter().map(|(n, _)| n.clone()).collect();
+            let shapes: Vec<(String, Vec<u32>)> = shapes
+                .into_iter()
+                .map(|(n, s)| (n, s.into_iter().map(|d| d as u32).collect()))
                 .collect();
-            let update = codec.encode(&mut deltas, topk, values);
+            let layout = Layout::from_shapes(&shapes, chunk);
+            let codec = DctCodec::new(layout.clone(), Device::Cpu);
+            let mut parts = Vec::with_capacity(names.len());
+            train::hf::for_each_f32(&input, |i, name, mut t| {
+                debug_assert_eq!(name, names[i]);
+                parts.push(codec.encode_tensor(i, &mut t, topk, values));
+                Ok(())
+            })
+            .with_context(|| format!("reading {}", input.display()))?;
+            let update = SparseUpdate {
+                codec: values,
+                tensors: parts,
+            };
             let blob = update.encode();
             let f = CodecFile {
                 version: 1,
                 chunk,
-                names: tensors.iter().map(|(n, _)| n.clone()).collect(),
+                names,
                 blob,
             };
             std::fs::write(&output, serde_cbor::to_vec(&f)?)?;
@@ -383,8 +389,7 @@ fn bench(
             sync();
             let t0 = std::time::Instant::now();
             let agg = sparse::aggregate(&layout, &refs);
-            let signs = codec.exact_sign(&agg);
-            train::demo::apply_sign_step(&target, &signs, 1e-4, 0.0);
+            codec.apply_exact_sign(&target, &agg, 1e-4, 0.0);
             sync();
             t.push(t0.elapsed().as_secs_f64());
         }

@@ -85,6 +85,7 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
+    train::keep_freed_memory();
     let cli = Cli::parse();
     let filter =
         || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());

@@ -30,7 +30,12 @@ pub struct DctCodec {
     pub layout: Layout,
     groups: Vec<Group>,
     device: Device,
+    /// The exact decode's temporaries per slice (see [`DctCodec::slice_bytes`]).
+    slice_bytes: usize,
 }
+
+/// Default decode slice: 32 MB of temporaries, a few hundred 64×64 blocks at 32 updates.
+pub const SLICE_BYTES: usize = 32 << 20;
 
 fn to_blocks(t: &Tensor, l: &TensorLayout) -> Tensor {
     let (r, c, h, w) = (l.rows as i64, l.cols as i64, l.h as i64, l.w as i64);
@@ -45,6 +50,20 @@ fn from_blocks(b: &Tensor, l: &TensorLayout) -> Tensor {
     b.reshape([r / h, c / w, h, w])
         .permute([0, 2, 1, 3])
         .reshape(&shape[..])
+}
+
+/// `t -= from_blocks(blocks)` without materializing `from_blocks`: the subtraction runs on a
+/// permuted view of `t` (in place, strided), saving a copy of the tensor per encode.
+fn subtract_blocks(t: &mut Tensor, blocks: &Tensor, l: &TensorLayout) {
+    let (r, c, h, w) = (l.rows as i64, l.cols as i64, l.h as i64, l.w as i64);
+    if t.is_contiguous() {
+        let _ = t
+            .view([r / h, h, c / w, w])
+            .permute([0, 2, 1, 3])
+            .g_sub_(&blocks.view([r / h, c / w, h, w]));
+    } else {
+        let _ = t.g_sub_(&from_blocks(blocks, l));
+    }
 }
 
 fn basis(n: usize, quantized: bool, device: Device) -> Tensor {
@@ -87,6 +106,7 @@ impl DctCodec {
             layout,
             groups,
             device,
+            slice_bytes: SLICE_BYTES,
         }
     }
 
@@ -94,9 +114,15 @@ impl DctCodec {
         self.device
     }
 
-    /// DCT coefficients of each block: `Fhᵀ · X · Fw`.
+    /// DCT coefficients of each block (`x`: `[blocks, h, w]`), `(Fhᵀ · X) · Fw`, as
+    /// `[blocks, h·w]`. (A batched GEMM against the broadcast basis gives the same bits but
+    /// materializes the broadcast: no faster, more memory; measured for issue 16.)
     fn forward(g: &Group, x: &Tensor) -> Tensor {
-        g.fh.tr().matmul(x).matmul(&g.fw)
+        let nb = x.size()[0];
+        g.fh.tr()
+            .matmul(x)
+            .matmul(&g.fw)
+            .reshape([nb, (g.h * g.w) as i64])
     }
 
     /// The group of layout entry `ti` (its chunk shape's bases).
@@ -138,27 +164,41 @@ impl DctCodec {
     /// decoded part) are a small multiple of the largest tensor, not of the model, which a
     /// group-wide batch made them (issue 16: ~6× the model's f32 size at peak).
     pub fn encode(&self, deltas: &mut [Tensor], k: u32, codec: ValueCodec) -> SparseUpdate {
-        let mut tensors = Vec::with_capacity(self.layout.tensors.len());
-        tch::no_grad(|| {
-            for (ti, l) in self.layout.tensors.iter().enumerate() {
-                let g = self.group_of(ti);
-                let (h, w) = (g.h as i64, g.w as i64);
-                let x = to_blocks(&deltas[ti], l);
-                let nb = x.size()[0];
-                let flat = Self::forward(g, &x).reshape([nb, h * w]);
-                drop(x);
-                let ke = (k as i64).min(h * w);
-                let (idx, vals) = Self::top_k(&flat, ke);
-                drop(flat);
-                // The kept part decoded as a sum of k rank-one terms per block
-                // (v · Fh[:, b] ⊗ Fw[:, d]): k·h·w work instead of two dense matmuls.
-                let dec = Self::sparse_inverse(&g.fht, &g.fwt, &idx, &vals, h, w);
-                let _ = deltas[ti].g_sub_(&from_blocks(&dec, l));
-                let (iu, vv) = Self::entries(&idx, &vals);
-                tensors.push(TensorUpdate::from_entries(l, ke as usize, codec, &iu, &vv));
-            }
-        });
+        let tensors = deltas
+            .iter_mut()
+            .enumerate()
+            .map(|(ti, d)| self.encode_tensor(ti, d, k, codec))
+            .collect();
         SparseUpdate { codec, tensors }
+    }
+
+    /// [`Self::encode`] of layout entry `ti` alone (`delta` is its momentum, updated in
+    /// place): a caller can stream a model through the encoder a tensor at a time, holding
+    /// one tensor's temporaries (`swarm codec encode` reads a file so).
+    pub fn encode_tensor(
+        &self,
+        ti: usize,
+        delta: &mut Tensor,
+        k: u32,
+        codec: ValueCodec,
+    ) -> TensorUpdate {
+        let l = &self.layout.tensors[ti];
+        let g = self.group_of(ti);
+        let (h, w) = (g.h as i64, g.w as i64);
+        tch::no_grad(|| {
+            let x = to_blocks(delta, l);
+            let flat = Self::forward(g, &x);
+            drop(x);
+            let ke = (k as i64).min(h * w);
+            let (idx, vals) = Self::top_k(&flat, ke);
+            drop(flat);
+            // The kept part decoded as a sum of k rank-one terms per block
+            // (v · Fh[:, b] ⊗ Fw[:, d]): k·h·w work instead of two dense matmuls.
+            let dec = Self::sparse_inverse(&g.fht, &g.fwt, &idx, &vals, h, w);
+            subtract_blocks(delta, &dec, l);
+            let (iu, vv) = Self::entries(&idx, &vals);
+            TensorUpdate::from_entries(l, ke as usize, codec, &iu, &vv)
+        })
     }
 
     /// Local steps' encode: per chunk, the top-k of `bufs` (the error-feedback buffers, one
@@ -181,7 +221,7 @@ impl DctCodec {
                 let x = to_blocks(&bufs[ti], l);
                 let nb = x.size()[0];
                 let flat = if dct {
-                    Self::forward(g, &x).reshape([nb, h * w])
+                    Self::forward(g, &x)
                 } else {
                     x.reshape([nb, h * w])
                 };
@@ -202,7 +242,7 @@ impl DctCodec {
                         .scatter(1, &idx, &deq)
                         .view([nb, h, w])
                 };
-                let _ = bufs[ti].g_sub_(&from_blocks(&dec, l));
+                subtract_blocks(&mut bufs[ti], &dec, l);
             }
         });
         SparseUpdate { codec, tensors }
@@ -220,113 +260,201 @@ impl DctCodec {
     /// rounded once to f32. The only departures from the float decode are the rounding of Y
     /// at 2^-A of its block maximum and of F at 2^-B.
     pub fn exact_values(&self, agg: &Aggregate, dct: bool) -> Vec<Tensor> {
-        let mut out: Vec<Option<Tensor>> = (0..self.layout.tensors.len()).map(|_| None).collect();
+        self.decode_dense(agg, Decode::Values { dct })
+    }
+
+    /// The aggregate before the sign, decoded in floating point (for inspection).
+    pub fn decode_float(&self, agg: &Aggregate) -> Vec<Tensor> {
+        self.decode_dense(agg, Decode::Float)
+    }
+
+    /// `sign` of the decoded aggregate, exactly (see `protocol::sparse::exact`): f32 tensors
+    /// of −1, 0 and 1, bit-identical on every device, thread count and arrival order.
+    pub fn exact_sign(&self, agg: &Aggregate) -> Vec<Tensor> {
+        self.decode_dense(agg, Decode::Sign)
+    }
+
+    /// DeMo's step straight from the aggregate: `p *= 1 − lr·wd`, then `p −= lr·sign(Δ)` with
+    /// `Δ` decoded exactly, slice by slice into the parameters. The same bits as
+    /// [`Self::exact_sign`] followed by [`apply_sign_step`], without a dense sign tensor of the
+    /// model: its memory is one slice's temporaries ([`Self::slice_bytes`]).
+    pub fn apply_exact_sign(&self, params: &[Tensor], agg: &Aggregate, lr: f64, wd: f64) {
+        self.apply_stream(params, agg, Decode::Sign, lr, wd)
+    }
+
+    /// Local steps' outer step straight from the aggregate: `p −= lr · values`, the values
+    /// decoded exactly as [`Self::exact_values`] does, slice by slice into the parameters.
+    pub fn apply_exact_values(&self, params: &[Tensor], agg: &Aggregate, dct: bool, lr: f64) {
+        self.apply_stream(params, agg, Decode::Values { dct }, lr, 0.0)
+    }
+
+    /// Decode into fresh dense tensors (one per layout entry), slice by slice.
+    fn decode_dense(&self, agg: &Aggregate, mode: Decode) -> Vec<Tensor> {
+        let out: Vec<Tensor> = self
+            .layout
+            .tensors
+            .iter()
+            .map(|l| Tensor::zeros([l.rows as i64, l.cols as i64], (Kind::Float, self.device)))
+            .collect();
+        self.decode_stream(agg, mode, |ti, r0, part| {
+            let n = part.size()[0];
+            out[ti].narrow(0, r0, n).copy_(&part);
+        });
+        out.into_iter()
+            .zip(&self.layout.tensors)
+            .map(|(t, l)| {
+                let shape: Vec<i64> = l.shape.iter().map(|&x| x as i64).collect();
+                t.reshape(&shape[..])
+            })
+            .collect()
+    }
+
+    /// Weight decay then `p −= lr · decoded`, slice by slice, in place. Each element sees the
+    /// same two IEEE operations as [`apply_sign_step`] (so the bits agree with it).
+    fn apply_stream(&self, params: &[Tensor], agg: &Aggregate, mode: Decode, lr: f64, wd: f64) {
+        assert_eq!(params.len(), self.layout.tensors.len(), "one parameter per layout entry");
+        // A parameter that is not contiguous has no in-place 2-D view: decode it densely.
+        if params.iter().any(|p| !p.is_contiguous()) {
+            let dense = self.decode_dense(agg, mode);
+            apply_sign_step(params, &dense, lr, wd);
+            return;
+        }
+        let decay = (1.0 - lr * wd) as f32;
+        let lr32 = lr as f32;
+        let views: Vec<Tensor> = params
+            .iter()
+            .zip(&self.layout.tensors)
+            .map(|(p, l)| p.view([l.rows as i64, l.cols as i64]))
+            .collect();
         tch::no_grad(|| {
-            for g in &self.groups {
-                let (h, w) = (g.h as i64, g.w as i64);
-                let (idx, val, nb, m, shifts) = self.gather_group_scaled(g, agg, dct);
-                let idx = Tensor::from_slice(&idx)
-                    .view([nb as i64, m as i64])
-                    .to_device(self.device);
-                let all = if dct {
-                    let val = Tensor::from_slice(&val)
-                        .view([nb as i64, m as i64])
-                        .to_device(self.device);
-                    let b = protocol::sparse::BASIS_BITS as i32;
-                    let s1: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s / 2 + b))).collect();
-                    let s2: Vec<f64> = shifts
-                        .iter()
-                        .map(|&s| 2f64.powi(-(s - s / 2 + b)))
-                        .collect();
-                    let s1 = Tensor::from_slice(&s1)
-                        .view([nb as i64, 1, 1])
-                        .to_device(self.device);
-                    let s2 = Tensor::from_slice(&s2)
-                        .view([nb as i64, 1, 1])
-                        .to_device(self.device);
-                    let parts: Vec<Tensor> = Self::slices(nb, m, g.h, g.w)
-                        .into_iter()
-                        .map(|(s, n)| {
-                            let (s, n) = (s as i64, n as i64);
-                            let d = Self::sparse_inverse(
-                                &g.fhqt,
-                                &g.fwqt,
-                                &idx.narrow(0, s, n),
-                                &val.narrow(0, s, n),
-                                h,
-                                w,
-                            );
-                            (d * s1.narrow(0, s, n) * s2.narrow(0, s, n)).to_kind(Kind::Float)
-                        })
-                        .collect();
-                    Tensor::cat(&parts, 0)
-                } else {
-                    let v32: Vec<f32> = val.iter().map(|&x| x as f32).collect();
-                    let val = Tensor::from_slice(&v32)
-                        .view([nb as i64, m as i64])
-                        .to_device(self.device);
-                    // Padding entries (index 0, value 0) add an exact zero.
-                    Tensor::zeros([nb as i64, h * w], (Kind::Float, self.device))
-                        .scatter_add(1, &idx, &val)
-                        .view([nb as i64, h, w])
+            if decay != 1.0 {
+                for p in &views {
+                    let mut p = p.shallow_clone();
+                    let _ = p.g_mul_(&Tensor::from(decay).to_device(p.device()));
+                }
+            }
+            self.decode_stream(agg, mode, |ti, r0, part| {
+                let mut p = views[ti].narrow(0, r0, part.size()[0]);
+                let step = part.to_device(p.device()) * Tensor::from(lr32).to_device(p.device());
+                let _ = p.g_sub_(&step);
+            });
+        });
+    }
+
+    /// Bytes of temporaries one decode slice may take (gathered basis rows, the f64 block
+    /// results). The exact decode streams each tensor in slices of whole block rows within
+    /// this budget, so its memory does not grow with the model (issue 16).
+    pub fn slice_bytes(&self) -> usize {
+        self.slice_bytes
+    }
+
+    /// Set the slice budget (tests and benchmarks; at least one block row is decoded at once).
+    pub fn with_slice_bytes(mut self, bytes: usize) -> DctCodec {
+        self.slice_bytes = bytes.max(1);
+        self
+    }
+
+    /// The decode's one loop: tensor by tensor, blocks gathered from the aggregate a slice of
+    /// whole block rows at a time, decoded on the device, handed to `sink(tensor, first row,
+    /// [rows, cols] f32)` in the tensor's 2-D view. Exact modes are integer sums below 2^52,
+    /// so how the blocks are sliced cannot change a bit.
+    fn decode_stream(&self, agg: &Aggregate, mode: Decode, mut sink: impl FnMut(usize, i64, Tensor)) {
+        tch::no_grad(|| {
+            for (ti, l) in self.layout.tensors.iter().enumerate() {
+                let g = self.group_of(ti);
+                let t = &agg.tensors[ti];
+                let (h, w) = (l.h, l.w);
+                let per_row = l.cols / w;
+                let block_rows = l.rows / h;
+                let m = t.max_nnz().max(1);
+                // Integer coefficients (and their power-of-two shifts) for the exact DCT decodes.
+                let quantized = match mode {
+                    Decode::Sign | Decode::Values { dct: true } => {
+                        Some(sparse::quantize_blocks_scaled(t, h, w))
+                    }
+                    _ => None,
                 };
-                self.split_group(g, &all, &mut out);
+                let per_block = (m * (h + w) + 2 * h * w) * 8;
+                let rows_per_slice = (self.slice_bytes / (per_block * per_row)).clamp(1, block_rows);
+                let mut br = 0;
+                while br < block_rows {
+                    let nr = rows_per_slice.min(block_rows - br);
+                    let (b0, nb) = (br * per_row, nr * per_row);
+                    let mut idx = vec![0i64; nb * m];
+                    let mut val = vec![0f64; nb * m];
+                    let mut shifts = vec![0i32; nb];
+                    for b in 0..nb {
+                        let r = t.offsets[b0 + b] as usize..t.offsets[b0 + b + 1] as usize;
+                        for (j, e) in r.enumerate() {
+                            idx[b * m + j] = t.index[e] as i64;
+                            val[b * m + j] = match &quantized {
+                                Some((q, _)) => q[e],
+                                None => t.mean[e],
+                            };
+                        }
+                        if let Some((_, sh)) = &quantized {
+                            shifts[b] = sh[b0 + b];
+                        }
+                    }
+                    let blocks = self.decode_blocks(g, mode, &idx, &val, &shifts, nb, m);
+                    // [blocks, h, w] in block-row order → the slice's rows of the 2-D view.
+                    let part = blocks
+                        .view([nr as i64, per_row as i64, h as i64, w as i64])
+                        .permute([0, 2, 1, 3])
+                        .reshape([(nr * h) as i64, l.cols as i64]);
+                    sink(ti, (br * h) as i64, part);
+                    br += nr;
+                }
             }
         });
-        out.into_iter().map(|t| t.unwrap()).collect()
     }
 
-    /// [`Self::gather_group`], also returning each block's power-of-two shift (with
-    /// `quantize`; zeros otherwise).
-    fn gather_group_scaled(
+    /// Decode `nb` gathered blocks (`idx`, `val`: `[nb, m]`, padded with index 0 value 0,
+    /// which adds an exact zero) to `[nb, h, w]` f32.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_blocks(
         &self,
         g: &Group,
-        agg: &Aggregate,
-        quantize: bool,
-    ) -> (Vec<i64>, Vec<f64>, usize, usize, Vec<i32>) {
-        let m = g
-            .tensors
-            .iter()
-            .map(|&ti| agg.tensors[ti].max_nnz())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let nb: usize = g
-            .tensors
-            .iter()
-            .map(|&ti| self.layout.tensors[ti].blocks())
-            .sum();
-        let mut idx = vec![0i64; nb * m];
-        let mut val = vec![0f64; nb * m];
-        let mut shifts = vec![0i32; nb];
-        let mut row = 0;
-        for &ti in &g.tensors {
-            let t = &agg.tensors[ti];
-            let (q, sh) = if quantize {
-                sparse::quantize_blocks_scaled(t, g.h, g.w)
-            } else {
-                (t.mean.clone(), vec![0; t.offsets.len() - 1])
-            };
-            for b in 0..t.offsets.len() - 1 {
-                for (j, e) in (t.offsets[b] as usize..t.offsets[b + 1] as usize).enumerate() {
-                    idx[row * m + j] = t.index[e] as i64;
-                    val[row * m + j] = q[e];
-                }
-                shifts[row] = sh[b];
-                row += 1;
+        mode: Decode,
+        idx: &[i64],
+        val: &[f64],
+        shifts: &[i32],
+        nb: usize,
+        m: usize,
+    ) -> Tensor {
+        let (h, w) = (g.h as i64, g.w as i64);
+        let (nb, m) = (nb as i64, m as i64);
+        let dev = self.device;
+        let idx = Tensor::from_slice(idx).view([nb, m]).to_device(dev);
+        match mode {
+            Decode::Values { dct: false } => {
+                let v32: Vec<f32> = val.iter().map(|&x| x as f32).collect();
+                let val = Tensor::from_slice(&v32).view([nb, m]).to_device(dev);
+                Tensor::zeros([nb, h * w], (Kind::Float, dev))
+                    .scatter_add(1, &idx, &val)
+                    .view([nb, h, w])
             }
-        }
-        (idx, val, nb, m, shifts)
-    }
-
-    /// Cut a group's stacked `[blocks, h, w]` result back into its tensors' shapes.
-    fn split_group(&self, g: &Group, all: &Tensor, out: &mut [Option<Tensor>]) {
-        let mut start = 0i64;
-        for &ti in &g.tensors {
-            let l = &self.layout.tensors[ti];
-            let n = l.blocks() as i64;
-            out[ti] = Some(from_blocks(&all.narrow(0, start, n), l));
-            start += n;
+            Decode::Float => {
+                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
+                let (fh, fw) = (g.fht.to_kind(Kind::Double), g.fwt.to_kind(Kind::Double));
+                Self::sparse_inverse(&fh, &fw, &idx, &val, h, w).to_kind(Kind::Float)
+            }
+            Decode::Sign => {
+                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
+                Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val, h, w)
+                    .sign()
+                    .to_kind(Kind::Float)
+            }
+            Decode::Values { dct: true } => {
+                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
+                let b = protocol::sparse::BASIS_BITS as i32;
+                let s1: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s / 2 + b))).collect();
+                let s2: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s - s / 2 + b))).collect();
+                let s1 = Tensor::from_slice(&s1).view([nb, 1, 1]).to_device(dev);
+                let s2 = Tensor::from_slice(&s2).view([nb, 1, 1]).to_device(dev);
+                let d = Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val, h, w);
+                (d * s1 * s2).to_kind(Kind::Float)
+            }
         }
     }
 
@@ -350,83 +478,17 @@ impl DctCodec {
         let c = fw.index_select(0, &d).view([nb, m, w]);
         a.transpose(1, 2).bmm(&c)
     }
+}
 
-    /// Block slices small enough that the gathered bases stay near `budget` bytes.
-    fn slices(nb: usize, m: usize, h: usize, w: usize) -> Vec<(usize, usize)> {
-        let budget = 256usize << 20;
-        let per = (m.max(1) * (h + w) + h * w) * 8;
-        let step = (budget / per).max(1);
-        (0..nb)
-            .step_by(step)
-            .map(|s| (s, step.min(nb - s)))
-            .collect()
-    }
-
-    /// Per group: padded `[blocks, m]` index and value tensors from a sparse aggregate, with
-    /// values optionally quantized for the exact decode. Padding entries have value 0.
-    fn gather_group(
-        &self,
-        g: &Group,
-        agg: &Aggregate,
-        quantize: bool,
-    ) -> (Vec<i64>, Vec<f64>, usize, usize) {
-        let (idx, val, nb, m, _) = self.gather_group_scaled(g, agg, quantize);
-        (idx, val, nb, m)
-    }
-
-    /// Decode every group's aggregate, in float or exactly (then its sign), into per-tensor outputs.
-    fn decode_groups(&self, agg: &Aggregate, exact: bool) -> Vec<Tensor> {
-        let mut out: Vec<Option<Tensor>> = (0..self.layout.tensors.len()).map(|_| None).collect();
-        tch::no_grad(|| {
-            for g in &self.groups {
-                let (idx, val, nb, m) = self.gather_group(g, agg, exact);
-                let (h, w) = (g.h as i64, g.w as i64);
-                let idx = Tensor::from_slice(&idx)
-                    .view([nb as i64, m as i64])
-                    .to_device(self.device);
-                let val = Tensor::from_slice(&val)
-                    .view([nb as i64, m as i64])
-                    .to_device(self.device);
-                let (fh, fw) = if exact {
-                    (g.fhqt.shallow_clone(), g.fwqt.shallow_clone())
-                } else {
-                    (g.fht.to_kind(Kind::Double), g.fwt.to_kind(Kind::Double))
-                };
-                let parts: Vec<Tensor> = Self::slices(nb, m, g.h, g.w)
-                    .into_iter()
-                    .map(|(s, n)| {
-                        let d = Self::sparse_inverse(
-                            &fh,
-                            &fw,
-                            &idx.narrow(0, s as i64, n as i64),
-                            &val.narrow(0, s as i64, n as i64),
-                            h,
-                            w,
-                        );
-                        if exact {
-                            d.sign().to_kind(Kind::Float)
-                        } else {
-                            d.to_kind(Kind::Float)
-                        }
-                    })
-                    .collect();
-                let all = Tensor::cat(&parts, 0);
-                self.split_group(g, &all, &mut out);
-            }
-        });
-        out.into_iter().map(|t| t.unwrap()).collect()
-    }
-
-    /// The aggregate before the sign, decoded in floating point (for inspection).
-    pub fn decode_float(&self, agg: &Aggregate) -> Vec<Tensor> {
-        self.decode_groups(agg, false)
-    }
-
-    /// `sign` of the decoded aggregate, exactly (see `protocol::sparse::exact`): f32 tensors
-    /// of −1, 0 and 1, bit-identical on every device, thread count and arrival order.
-    pub fn exact_sign(&self, agg: &Aggregate) -> Vec<Tensor> {
-        self.decode_groups(agg, true)
-    }
+/// What a decode produces from the aggregate.
+#[derive(Clone, Copy, Debug)]
+enum Decode {
+    /// The float inverse DCT (inspection only; not bit-stable across devices).
+    Float,
+    /// `sign` of the exact integer decode (DeMo's step).
+    Sign,
+    /// The exactly decoded values (local steps), through the DCT or as raw coefficients.
+    Values { dct: bool },
 }
 
 /// Weight decay and the sign step, each a single correctly rounded IEEE operation per element:

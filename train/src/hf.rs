@@ -223,30 +223,76 @@ pub fn read_f32(
     names.sort();
     for name in names {
         let t = st.tensor(&name).map_err(|e| bad(e.to_string()))?;
-        let d = t.data();
-        let vals: Vec<f32> = match t.dtype() {
-            Dtype::F32 => d
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::BF16 => d
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => d
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(bad(format!(
-                    "{name}: dtype {other:?} (expected F32, BF16 or F16)"
-                )))
-            }
-        };
         let shape: Vec<i64> = t.shape().iter().map(|&x| x as i64).collect();
+        let vals = to_f32(t.dtype(), t.data()).map_err(|e| bad(format!("{name}: {e}")))?;
         out.push((name, Tensor::from_slice(&vals).view(&shape[..])));
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))
+}
+
+/// Little-endian f32, bf16 or f16 bytes as f32 values.
+fn to_f32(dtype: Dtype, d: &[u8]) -> Result<Vec<f32>, String> {
+    Ok(match dtype {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("dtype {other:?} (expected F32, BF16 or F16)")),
+    })
+}
+
+/// Stream a safetensors file's tensors, sorted by name, as f32 CPU tensors: `f(i, name,
+/// tensor)` sees one at a time. Each tensor's bytes are read from the file on their own (not
+/// mapped), so the process holds one tensor and its f32 copy at a time, never the file: a
+/// model several times the machine's free memory can be encoded.
+pub fn for_each_f32(
+    path: &Path,
+    mut f: impl FnMut(usize, &str, Tensor) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let bad = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
+    // The header through a mapping (safetensors checks it against the file's length); only
+    // its pages are touched, and the mapping is gone before any value is read.
+    let (n, mut infos) = {
+        // Safety: as in `read_f32`.
+        let m = unsafe { memmap2::Mmap::map(&file) }?;
+        let (n, meta) = SafeTensors::read_metadata(&m).map_err(|e| bad(e.to_string()))?;
+        let infos: Vec<(String, safetensors::tensor::TensorInfo)> = meta
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| (name, info.clone()))
+            .collect();
+        (n as u64, infos)
+    };
+    let file_len = file.metadata()?.len();
+    infos.sort_by(|a, b| a.0.cmp(&b.0));
+    for (i, (name, info)) in infos.into_iter().enumerate() {
+        let (lo, hi) = info.data_offsets;
+        let at = 8 + n + lo as u64;
+        if hi < lo || at + (hi - lo) as u64 > file_len {
+            return Err(bad(format!("{name}: data past the end of the file")));
+        }
+        let mut bytes = vec![0u8; hi - lo];
+        file.read_exact_at(&mut bytes, at)?;
+        let vals = to_f32(info.dtype, &bytes).map_err(|e| bad(format!("{name}: {e}")))?;
+        drop(bytes);
+        let shape: Vec<i64> = info.shape.iter().map(|&x| x as i64).collect();
+        if vals.len() as i64 != shape.iter().product::<i64>() {
+            return Err(bad(format!("{name}: {} values for shape {shape:?}", vals.len())));
+        }
+        f(i, &name, Tensor::from_slice(&vals).view(&shape[..]))?;
+    }
+    Ok(())
 }
 
 struct Raw {
@@ -570,5 +616,35 @@ mod tests {
             assert!(rel < 1.0 / 128.0, "{rel}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+    #[test]
+    fn streaming_a_file_gives_the_tensors_read_at_once() {
+        let cfg = ModelConfig::named("tiny", 256).unwrap();
+        let m = crate::model::Llama::new(&cfg, tch::Device::Cpu, 3);
+        let tensors: Vec<(String, Tensor)> = m
+            .names
+            .iter()
+            .cloned()
+            .zip(m.params.iter().map(|p| p.detach()))
+            .collect();
+        let path = std::env::temp_dir().join(format!("swarm-stream-{}.safetensors", std::process::id()));
+        for bf16 in [false, true] {
+            write(&path, &tensors, bf16, HashMap::new()).unwrap();
+            let (all, _) = read_f32(&path).unwrap();
+            let mut seen = Vec::new();
+            for_each_f32(&path, |i, name, t| {
+                assert_eq!(name, all[i].0);
+                assert!(t.equal(&all[i].1), "{name} (bf16 {bf16})");
+                seen.push(name.to_string());
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen.len(), tensors.len());
+        }
+        // A file cut short is an error, not a short read.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+        assert!(for_each_f32(&path, |_, _, _| Ok(())).is_err());
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -16,6 +16,30 @@ pub use tch;
 
 use thiserror::Error;
 
+/// Keep freed tensor memory in the process for the next step instead of handing it back to
+/// the system at every free. glibc serves blocks over a (dynamic) threshold as fresh `mmap`s
+/// and unmaps them when freed, so each step's codec temporaries fault their pages in again:
+/// on `small` that was a third of the encode and most of a 2-update apply (docs/BENCHMARKS.md,
+/// "Bounded memory"). With these settings blocks up to 32 MB (glibc's ceiling) come from the
+/// heap and the heap is not trimmed, so the process holds what its busiest step needed and
+/// reuses it: resident memory is the peak, which the codec bounds. Call once, first thing in
+/// `main`, before libtorch allocates. A no-op off glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        // Safety: mallopt takes two integers and changes allocator policy only.
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, 32 << 20);
+            mallopt(M_TRIM_THRESHOLD, i32::MAX);
+        }
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum TrainError {
     #[error("torch: {0}")]

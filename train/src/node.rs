@@ -374,19 +374,19 @@ impl NodeStep {
         if updates.is_empty() {
             return;
         }
+        let agg = sparse::aggregate_round(
+            self.layout(),
+            self.optim.combine,
+            self.nominal_tokens(),
+            updates,
+        );
+        // Decoded slice by slice into the parameters: no dense copy of the model's step.
         if let Some(l) = &self.optim.local {
-            let agg = sparse::aggregate_round(
-                self.layout(),
-                self.optim.combine,
-                self.nominal_tokens(),
-                updates,
-            );
-            let values = self.codec.exact_values(&agg, l.dct);
-            apply_sign_step(params, &values, l.outer_lr, 0.0);
+            self.codec.apply_exact_values(params, &agg, l.dct, l.outer_lr);
             return;
         }
-        let signs = self.round_signs(updates);
-        apply_sign_step(params, &signs, self.lr(step), self.optim.weight_decay);
+        self.codec
+            .apply_exact_sign(params, &agg, self.lr(step), self.optim.weight_decay);
     }
 
     /// The protocol's spot check: the loss on `sender`'s own batch for `step` (recomputed from

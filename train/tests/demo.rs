@@ -241,3 +241,31 @@ fn exact_sign_is_identical_on_cuda() {
         assert!(a.equal(&b.to_device(Device::Cpu)));
     }
 }
+
+#[test]
+fn streaming_apply_matches_the_dense_sign_step_bit_for_bit() {
+    // The decode streams block rows in slices; any slicing, straight into the parameters,
+    // must give the bits of a dense sign followed by `apply_sign_step`.
+    let l = layout();
+    let ups = updates(&l, 5, ValueCodec::Bf16);
+    let refs: Vec<&SparseUpdate> = ups.iter().collect();
+    let agg = sparse::aggregate(&l, &refs);
+    let dense = DctCodec::new(l.clone(), Device::Cpu);
+    let want = random(&l, 9);
+    apply_sign_step(&want, &dense.exact_sign(&agg), 3e-3, 0.1);
+    // 1 byte: one block row per slice; 200 KB: a few rows; the default: whole tensors.
+    for budget in [1, 200_000, train::demo::SLICE_BYTES] {
+        let codec = DctCodec::new(l.clone(), Device::Cpu).with_slice_bytes(budget);
+        let signs = codec.exact_sign(&agg);
+        for (a, b) in signs.iter().zip(dense.exact_sign(&agg).iter()) {
+            assert!(a.equal(b), "exact_sign, slice budget {budget}");
+        }
+        let got = random(&l, 9);
+        codec.apply_exact_sign(&got, &agg, 3e-3, 0.1);
+        assert_eq!(
+            param_digest(&got),
+            param_digest(&want),
+            "apply, slice budget {budget}"
+        );
+    }
+}

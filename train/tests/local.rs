@@ -147,6 +147,12 @@ fn outer_step_is_bit_identical_across_orders_and_threads() {
                     }
                 }
                 apply_sign_step(&m.params, &vals, 0.7, 0.0);
+                // Streamed into the parameters a block row at a time: the same bits.
+                let s = Llama::new(&cfg, Device::Cpu, 7);
+                DctCodec::new(l.clone(), Device::Cpu)
+                    .with_slice_bytes(1)
+                    .apply_exact_values(&s.params, &agg, dct, 0.7);
+                assert_eq!(param_digest(&s.params), param_digest(&m.params), "streamed apply");
                 digests.push(param_digest(&m.params));
             }
             assert!(
