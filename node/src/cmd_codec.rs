@@ -60,7 +60,7 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
     /// top-k → wire blob, with the decoupling subtraction), and aggregate + exact decode +
     /// sign step for 8 and 32 updates; peak resident memory; GB/s of parameters.
     #[command(
-        after_help = "Example: swarm codec bench --model small --repeat 3\nThe 1.2b model needs ~5 GB for its momentum alone and several times that in the encoder's\ntemporaries (docs/BENCHMARKS.md, \"The codec\")."
+        after_help = "Example: swarm codec bench --model small --repeat 3\nThe 1.2b model needs ~5 GB for its momentum and as much again for the parameters the apply\nwrites (the codec itself adds a few of its largest tensors; docs/BENCHMARKS.md, \"The codec at memory speed\")."
     )]
     Bench {
         #[arg(long, default_value = "small")]
