@@ -396,7 +396,6 @@ struct Node {
     trainer: mpsc::Sender<Cmd>,
     /// Commands the trainer queue had no room for yet (Applies must never be dropped).
     backlog: VecDeque<Cmd>,
-    timer: Option<u64>,
     members: BTreeMap<PeerId, NodeId>,
     rate: RateLimit,
     reg: Arc<Mutex<libp2p::metrics::Registry>>,
@@ -600,7 +599,6 @@ impl Node {
                 });
                 self.cut_off(&peer);
             }
-            Action::SetTimer { at } => self.timer = Some(at),
             Action::SpotCheck {
                 step,
                 sender,
@@ -1544,7 +1542,6 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             fetches: HashMap::new(),
             trainer: cmd_tx,
             backlog: VecDeque::new(),
-            timer: None,
             members: BTreeMap::new(),
             // Per peer: a few fetches per step per update is plenty; bursts cover a repair.
             rate: RateLimit::new(50.0, 200.0, run.limits.max_peers as usize),
@@ -1654,7 +1651,9 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
         let mut discover = tokio::time::interval(Duration::from_secs(5));
         let mut last_discover = 0u64;
         loop {
-            let wait = node.timer.map_or(Duration::from_secs(3600), |t| {
+            // The engine's one timer, re-armed every turn to what it asks for now.
+            let timer = node.engine.poll_timeout();
+            let wait = timer.map_or(Duration::from_secs(3600), |t| {
                 Duration::from_millis(t.saturating_sub(now_ms()))
             });
             tokio::select! {
@@ -1663,12 +1662,10 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
                     Some(r) => node.on_trainer(r)?,
                     None => bail!("trainer thread exited"),
                 },
-                _ = tokio::time::sleep(wait), if node.timer.is_some() => {
-                    node.timer = None;
-                    node.feed(Event::Timer);
-                }
+                _ = tokio::time::sleep(wait), if timer.is_some() => node.feed(Event::Timer),
                 _ = tick.tick() => {
-                    // Timers are idempotent: a periodic one guards against a lost wake-up.
+                    // Timer events are idempotent: a periodic one is a safety net beside the
+                    // engine's own deadline (`poll_timeout`).
                     node.feed(Event::Timer);
                     node.tick_checkpoints();
                     node.flush_trainer();

@@ -5,6 +5,11 @@
 //! sequence of actions, byte for byte, on any machine. The network shell (node/) and the
 //! simulator (sim/) turn actions into I/O and I/O into events.
 //!
+//! Time out is asked for, not announced, as in quinn-proto's `Connection`: after each `handle`
+//! the driver calls `Engine::poll_timeout()` and arms its one timer to that instant (unix ms),
+//! calling `handle(Event::Timer, at)` when it comes. `None` means nothing is due; an answer
+//! never lies before the `now` of the last `handle`. Extra `Timer` events are harmless.
+//!
 //! # The round (see `StepTiming`)
 //! * During step t's window a node trains on its parameters (version t−1 when on time) and
 //!   publishes a signed header for its update; the blob goes inline when small, else peers fetch
@@ -96,7 +101,7 @@ pub enum Event {
         blob: Vec<u8>,
         tokens: u64,
     },
-    /// The timer set by [`Action::SetTimer`] fired (any extra call is harmless).
+    /// The instant given by [`Engine::poll_timeout`] came (any extra call is harmless).
     Timer,
     PeerConnected {
         peer: NodeId,
@@ -282,10 +287,6 @@ pub enum Action {
         tokens: u64,
         bytes: Blob,
     },
-    /// Call `handle(Event::Timer, at)` at `at`.
-    SetTimer {
-        at: u64,
-    },
     Report(Report),
 }
 
@@ -417,6 +418,7 @@ pub struct Engine {
     peers: BTreeMap<NodeId, Peer>,
     /// version → reporter → digest, from summaries and hellos.
     attest: BTreeMap<u64, BTreeMap<NodeId, Digest>>,
+    /// When this engine wants `Event::Timer` next (see `poll_timeout`); set by `schedule`.
     timer: Option<u64>,
     rng: crate::rng::Rng,
     metrics: Metrics,
@@ -558,7 +560,14 @@ impl Engine {
         self.peers.get(peer).map_or(0, |p| p.score)
     }
 
-    /// Process one event at time `now` (unix ms).
+    /// The instant (unix ms) at which the driver should call `handle(Event::Timer, at)`, as of
+    /// the last `handle`; `None` when nothing is due. Ask after every `handle` and re-arm: the
+    /// answer moves as events come in (quinn-proto's `Connection::poll_timeout` is the model).
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.timer
+    }
+
+    /// Process one event at time `now` (unix ms); then ask [`Engine::poll_timeout`].
     pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
         let mut out = Vec::new();
         self.expire_fetches(now);
@@ -633,7 +642,7 @@ impl Engine {
         }
         self.tick(now, &mut out);
         self.pump(now, &mut out);
-        self.schedule(now, &mut out);
+        self.schedule(now);
         out
     }
 }

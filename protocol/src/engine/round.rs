@@ -401,7 +401,8 @@ impl Engine {
         self.attest = self.attest.split_off(&alo);
     }
 
-    pub(super) fn schedule(&mut self, now: u64, out: &mut Vec<Action>) {
+    /// The next instant this engine must be woken at (see [`Engine::poll_timeout`]).
+    pub(super) fn schedule(&mut self, now: u64) {
         let t = &self.run.timing;
         let mut at = t.publish_deadline(self.next_summary);
         if self.sync == SyncState::Synced {
@@ -420,9 +421,13 @@ impl Engine {
         if let Some(f) = self.next_fetch_timeout() {
             at = at.min(f);
         }
-        if at > now && self.timer != Some(at) {
+        // A wake-up already due has fired (or is being handled now): forget it, so that
+        // `poll_timeout` never names an instant in the past.
+        if self.timer.is_some_and(|t| t <= now) {
+            self.timer = None;
+        }
+        if at > now {
             self.timer = Some(at);
-            out.push(Action::SetTimer { at });
         }
     }
 }
