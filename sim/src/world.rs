@@ -853,7 +853,7 @@ impl World {
                     } else {
                         self.adv.false_penalties += 1;
                     }
-                    if matches!(reason, protocol::error::WireError::Equivocation { .. }) {
+                    if matches!(reason, protocol::error::Offence::Equivocation { .. }) {
                         self.adv.equivocations += 1;
                     }
                 }

@@ -67,7 +67,7 @@ use std::sync::Arc;
 
 use crypto::{ContentId, Digest, Identity, NodeId};
 
-use crate::error::WireError;
+use crate::error::Offence;
 use crate::run::{RunConfig, RunId};
 use crate::wire::{
     caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation,
@@ -173,17 +173,17 @@ pub enum Report {
     /// Provably invalid; the peer at fault is penalized.
     Rejected {
         from: NodeId,
-        error: WireError,
+        error: Offence,
     },
     /// Dropped without fault: late, duplicate, another run, full buffer, out of window.
     Ignored {
         from: NodeId,
-        error: WireError,
+        error: Offence,
     },
     /// The local trainer's update could not be published.
     LocalRefused {
         step: u64,
-        error: WireError,
+        error: Offence,
     },
     StepApplied {
         step: u64,
@@ -270,12 +270,12 @@ pub enum Action {
     },
     Penalize {
         peer: NodeId,
-        reason: WireError,
+        reason: Offence,
         points: u32,
     },
     Ban {
         peer: NodeId,
-        reason: WireError,
+        reason: Offence,
     },
     /// Evaluate this peer's update alone: the loss on the sender's recomputable batch for
     /// `step` before and after applying `bytes` as a sign step to the current parameters;
@@ -634,7 +634,7 @@ impl Engine {
                 gain,
             } => self.on_spot(step, sender, blob, gain, &mut out),
             Event::BadCheckpoint { from } => {
-                self.blame(from, WireError::FalseCheckpoint, &mut out);
+                self.blame(from, Offence::FalseCheckpoint, &mut out);
                 if let SyncState::Joining { requested, .. } = &mut self.sync {
                     *requested = None;
                 }
