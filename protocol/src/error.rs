@@ -152,9 +152,12 @@ impl Offence {
             }
             StepOutOfWindow { .. } => 2,
             // Another run, another version, late, duplicates and full buffers: not misconduct.
-            WrongRun | VersionMismatch { .. } | Late { .. } | Banned | Duplicate | BufferFull(_) => {
-                0
-            }
+            WrongRun
+            | VersionMismatch { .. }
+            | Late { .. }
+            | Banned
+            | Duplicate
+            | BufferFull(_) => 0,
         }
     }
 }

@@ -183,7 +183,9 @@ fn malformed_bad_signature_and_invalid_content_are_penalized() {
     assert_eq!(penalized(&sim, 0, &mid).len(), 2);
     assert!(matches!(
         penalized(&sim, 1, &mid)[..],
-        [Offence::Decode(DecodeError::Sparse(SparseError::DuplicateIndex { .. }))]
+        [Offence::Decode(DecodeError::Sparse(
+            SparseError::DuplicateIndex { .. }
+        ))]
     ));
     // The honest round is unaffected, and nothing of M's was applied.
     assert_agree(&sim, &[0, 1, 2], 3);

@@ -252,7 +252,11 @@ impl Sim {
             }
             // One Timer per new instant: stale ones fire harmlessly.
             let armed = self.nodes[to].timer;
-            if let Some(t) = self.nodes[to].engine.poll_timeout().filter(|&t| armed != Some(t)) {
+            if let Some(t) = self.nodes[to]
+                .engine
+                .poll_timeout()
+                .filter(|&t| armed != Some(t))
+            {
                 self.nodes[to].timer = Some(t);
                 self.push(t, to, Event::Timer);
             }
