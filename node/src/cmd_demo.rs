@@ -6,8 +6,8 @@
 //! same size.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,10 +16,11 @@ use clap::Args;
 use crypto::Identity;
 use protocol::config::OptimConfig;
 use protocol::run::RunConfig;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use train::run::{Optimizer, Report, StepRecord, TrainOptions};
 
 use crate::cmd_net::now_ms;
+use crate::status::{self, StatusLine};
 
 /// The demo's embedded run: local steps, which measured best of DeMo and local steps for `tiny`
 /// (docs/BENCHMARKS.md, "Local steps"). `--run node/runs/tiny-local.toml` runs DeMo.
@@ -74,28 +75,6 @@ pub struct DemoArgs {
     pub mesh: Option<usize>,
 }
 
-#[derive(Deserialize, Serialize, Clone, Debug)]
-struct Status {
-    #[serde(default)]
-    node: String,
-    step: u64,
-    loss: Option<f64>,
-    peers: usize,
-    included: usize,
-    update_bytes: u64,
-    bytes_out: u64,
-    bytes_in: u64,
-    train_ms: u64,
-    digest: String,
-    #[serde(default)]
-    published_ms: Option<u64>,
-    #[serde(default)]
-    arrivals: BTreeMap<String, u64>,
-    /// Held-out loss after the step (every `swarm run --eval-every` steps).
-    #[serde(default)]
-    eval_loss: Option<f64>,
-}
-
 /// The nodes evaluate every this many steps (windows), and the baseline at the same tokens.
 const EVAL_EVERY: u64 = 20;
 
@@ -112,22 +91,10 @@ impl Drop for Proc {
     }
 }
 
-fn read_status(p: &Path) -> Vec<Status> {
-    let Ok(f) = std::fs::File::open(p) else {
-        return Vec::new();
-    };
-    // A line being written may be torn: skip what does not parse.
-    std::io::BufReader::new(f)
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .collect()
-}
-
 #[derive(Serialize)]
 struct NodeReport {
     name: String,
-    steps: Vec<Status>,
+    steps: Vec<StatusLine>,
 }
 
 #[derive(Serialize)]
@@ -176,8 +143,8 @@ struct Spread {
 
 /// The mean of `f` over `rows` (None for no rows).
 fn mean_of<'a>(
-    rows: impl IntoIterator<Item = &'a Status>,
-    f: impl Fn(&Status) -> u64,
+    rows: impl IntoIterator<Item = &'a StatusLine>,
+    f: impl Fn(&StatusLine) -> u64,
 ) -> Option<f64> {
     let (sum, n) = rows
         .into_iter()
@@ -187,13 +154,16 @@ fn mean_of<'a>(
 
 /// Publish-to-everyone times from the trainers' status lines, `rows` and the same by step
 /// (see `DemoReport::spread_ms`).
-fn spread(rows: &[Vec<Status>], by_step: &[BTreeMap<u64, &Status>]) -> (Option<Spread>, usize) {
+fn spread(
+    rows: &[Vec<StatusLine>],
+    by_step: &[BTreeMap<u64, &StatusLine>],
+) -> (Option<Spread>, usize) {
     let mut times = Vec::new();
     let mut missing = 0;
     for (i, r) in rows.iter().enumerate() {
         for s in r {
             let Some(p) = s.published_ms else { continue };
-            let others: Vec<&Status> = by_step
+            let others: Vec<&StatusLine> = by_step
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| *j != i)
@@ -373,7 +343,7 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
     let procs_names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
     let mut last_plain = Instant::now() - Duration::from_secs(60);
     loop {
-        let rows: Vec<Vec<Status>> = procs.iter().map(|p| read_status(&p.status)).collect();
+        let rows: Vec<Vec<StatusLine>> = procs.iter().map(|p| status::read(&p.status)).collect();
         if let Some(k) = a.kill_at.filter(|_| killed.is_none()) {
             let last = procs.len() - 1;
             if rows[last].last().is_some_and(|s| s.step >= k) {
@@ -465,10 +435,10 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
         std::thread::sleep(Duration::from_millis(200));
     }
     // Only the requested steps: while lingering, trainers keep applying whatever still arrives.
-    let rows: Vec<Vec<Status>> = procs
+    let rows: Vec<Vec<StatusLine>> = procs
         .iter()
         .map(|p| {
-            read_status(&p.status)
+            status::read(&p.status)
                 .into_iter()
                 .filter(|s| s.step < a.steps)
                 .collect()
@@ -476,14 +446,14 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
         .collect();
     let names: Vec<String> = procs.iter().map(|p| p.name.clone()).collect();
     drop(procs);
-    let relay_rows: Vec<Status> = read_status(&boot.status)
+    let relay_rows: Vec<StatusLine> = status::read(&boot.status)
         .into_iter()
         .filter(|s| s.step < a.steps)
         .collect();
     drop(boot);
 
     // Digest agreement: every step that every trainer applied.
-    let by_step: Vec<BTreeMap<u64, &Status>> = rows
+    let by_step: Vec<BTreeMap<u64, &StatusLine>> = rows
         .iter()
         .map(|r| r.iter().map(|s| (s.step, s)).collect())
         .collect();
@@ -501,8 +471,8 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
     });
     let agree = first_disagreement.is_none() && common.len() as u64 >= a.steps;
 
-    let all: Vec<&Status> = rows.iter().flatten().collect();
-    let mean = |f: fn(&Status) -> u64| mean_of(all.iter().copied(), f).unwrap_or(0.0);
+    let all: Vec<&StatusLine> = rows.iter().flatten().collect();
+    let mean = |f: fn(&StatusLine) -> u64| mean_of(all.iter().copied(), f).unwrap_or(0.0);
     let update_bytes = all.iter().map(|s| s.update_bytes).max().unwrap_or(0);
     let mean_out = mean(|s| s.bytes_out);
     let later = all.iter().copied().filter(|s| s.step > 0);

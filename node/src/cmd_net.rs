@@ -21,7 +21,6 @@
 //!   newer one from peers as above.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -43,10 +42,10 @@ use protocol::checkpoint::CheckpointChunk;
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::RunConfig;
 use protocol::wire::{caps, Message};
-use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::hostile::{falsify, Adversary, Forge, Hostile, Move};
+use crate::status::{StatusLine, StatusSink};
 use crate::trainer::{self, Cmd, Reply, Snapshot, Trainer};
 
 pub fn now_ms() -> u64 {
@@ -320,44 +319,6 @@ async fn shutdown() {
     }
 }
 
-/// One line of `--status`.
-#[derive(Serialize, Default, Clone, Debug)]
-pub struct StatusLine {
-    pub node: String,
-    pub step: u64,
-    pub version: u64,
-    pub loss: Option<f64>,
-    pub peers: usize,
-    pub included: usize,
-    pub update_bytes: u64,
-    /// Bytes sent / received during this step (libp2p bandwidth counters).
-    pub bytes_out: u64,
-    pub bytes_in: u64,
-    pub train_ms: u64,
-    pub apply_ms: u64,
-    pub digest: String,
-    pub t_ms: u64,
-    pub rejected: u64,
-    pub fetches: u64,
-    /// Tokens this node's own update for the step claimed (0: it sent none).
-    pub tokens: u64,
-    /// Tokens of all the updates applied in the step, as their headers state them.
-    pub included_tokens: u64,
-    /// When this node handed its own update for the step to the network (unix ms).
-    pub published_ms: Option<u64>,
-    /// When each peer's update for the step checked out here (peer id → unix ms); only those
-    /// that arrived before this line was written (at the step's apply).
-    pub arrivals: BTreeMap<String, u64>,
-    /// Held-out loss after applying the step (every `--eval-every` steps).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eval_loss: Option<f64>,
-    /// Penalties and bans this node has handed out so far (cumulative).
-    #[serde(default)]
-    pub penalties: u64,
-    #[serde(default)]
-    pub bans: u64,
-}
-
 struct Gauges {
     step: Gauge,
     peers: Gauge,
@@ -396,7 +357,6 @@ struct Node {
     trainer: mpsc::Sender<Cmd>,
     /// Commands the trainer queue had no room for yet (Applies must never be dropped).
     backlog: VecDeque<Cmd>,
-    timer: Option<u64>,
     members: BTreeMap<PeerId, NodeId>,
     rate: RateLimit,
     reg: Arc<Mutex<libp2p::metrics::Registry>>,
@@ -600,7 +560,6 @@ impl Node {
                 });
                 self.cut_off(&peer);
             }
-            Action::SetTimer { at } => self.timer = Some(at),
             Action::SpotCheck {
                 step,
                 sender,
@@ -1544,7 +1503,6 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             fetches: HashMap::new(),
             trainer: cmd_tx,
             backlog: VecDeque::new(),
-            timer: None,
             members: BTreeMap::new(),
             // Per peer: a few fetches per step per update is plenty; bursts cover a repair.
             rate: RateLimit::new(50.0, 200.0, run.limits.max_peers as usize),
@@ -1654,7 +1612,9 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
         let mut discover = tokio::time::interval(Duration::from_secs(5));
         let mut last_discover = 0u64;
         loop {
-            let wait = node.timer.map_or(Duration::from_secs(3600), |t| {
+            // The engine's one timer, re-armed every turn to what it asks for now.
+            let timer = node.engine.poll_timeout();
+            let wait = timer.map_or(Duration::from_secs(3600), |t| {
                 Duration::from_millis(t.saturating_sub(now_ms()))
             });
             tokio::select! {
@@ -1663,12 +1623,10 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
                     Some(r) => node.on_trainer(r)?,
                     None => bail!("trainer thread exited"),
                 },
-                _ = tokio::time::sleep(wait), if node.timer.is_some() => {
-                    node.timer = None;
-                    node.feed(Event::Timer);
-                }
+                _ = tokio::time::sleep(wait), if timer.is_some() => node.feed(Event::Timer),
                 _ = tick.tick() => {
-                    // Timers are idempotent: a periodic one guards against a lost wake-up.
+                    // Timer events are idempotent: a periodic one is a safety net beside the
+                    // engine's own deadline (`poll_timeout`).
                     node.feed(Event::Timer);
                     node.tick_checkpoints();
                     node.flush_trainer();
@@ -1694,97 +1652,6 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             }
         }
     })
-}
-
-/// `--status`: one JSON line per applied step. A failed write (a full disk, a removed file) is
-/// logged, once until a write succeeds again, and the node goes on: the file is a report, and
-/// losing a line of it must not stop training.
-struct StatusSink<W: Write> {
-    out: W,
-    failed: bool,
-    lost: u64,
-}
-
-impl<W: Write> StatusSink<W> {
-    fn new(out: W) -> Self {
-        StatusSink {
-            out,
-            failed: false,
-            lost: 0,
-        }
-    }
-
-    fn line(&mut self, json: &str) {
-        match writeln!(self.out, "{json}").and_then(|()| self.out.flush()) {
-            Ok(()) => {
-                if self.failed {
-                    tracing::info!(lost = self.lost, "writing --status works again");
-                }
-                self.failed = false;
-            }
-            Err(e) => {
-                if !self.failed {
-                    tracing::error!("writing --status failed (going on without it): {e}");
-                }
-                self.failed = true;
-                self.lost += 1;
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod status_tests {
-    use super::StatusSink;
-
-    /// A writer that fails while `full` is set, as a full disk does.
-    struct Disk {
-        full: bool,
-        lines: Vec<u8>,
-    }
-    impl std::io::Write for Disk {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            if self.full {
-                return Err(std::io::Error::other("no space left on device"));
-            }
-            self.lines.extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    #[test]
-    fn a_failed_status_write_is_counted_and_the_next_one_goes_through() {
-        let mut s = StatusSink::new(Disk {
-            full: false,
-            lines: Vec::new(),
-        });
-        s.line("1");
-        s.out.full = true;
-        s.line("2");
-        s.line("3");
-        assert!(s.failed);
-        assert_eq!(s.lost, 2);
-        s.out.full = false;
-        s.line("4");
-        assert!(!s.failed);
-        assert_eq!(String::from_utf8(s.out.lines.clone()).unwrap(), "1\n4\n");
-    }
-
-    /// The real thing: `/dev/full` refuses every write with ENOSPC.
-    #[test]
-    fn status_on_a_full_device_does_not_panic_or_stop() {
-        let Ok(f) = std::fs::OpenOptions::new().append(true).open("/dev/full") else {
-            return; // not on this system
-        };
-        let mut s = StatusSink::new(f);
-        for i in 0..3 {
-            s.line(&format!("{{\"step\":{i}}}"));
-        }
-        assert_eq!(s.lost, 3);
-    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ mod cmd_sim;
 mod cmd_train;
 mod hostile;
 mod plot;
+mod status;
 mod trainer;
 mod tui;
 

@@ -20,7 +20,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Sparkline};
 use ratatui::Frame;
 
-use crate::cmd_net::StatusLine;
+use crate::status::StatusLine;
 
 /// Steps kept for the sparklines (a wide terminal shows ~200).
 const HISTORY: usize = 240;

@@ -8,7 +8,7 @@
 use crypto::{ContentId, Digest, NodeId};
 use serde::{Deserialize, Serialize};
 
-use crate::error::WireError;
+use crate::error::{DecodeError, Offence};
 use crate::run::RunId;
 
 /// Element type of a stored tensor.
@@ -170,16 +170,16 @@ impl CheckpointManifest {
     }
 
     /// Internal consistency: the digest matches the tensors, the chunk count matches the size.
-    pub fn check_structure(&self) -> Result<(), WireError> {
+    pub fn check_structure(&self) -> Result<(), DecodeError> {
         if self.chunk_bytes == 0 {
-            return Err(WireError::Checkpoint("zero chunk size"));
+            return Err(DecodeError::Manifest("zero chunk size"));
         }
         if params_digest(&self.tensors) != self.digest {
-            return Err(WireError::Checkpoint("digest does not match tensors"));
+            return Err(DecodeError::Manifest("digest does not match tensors"));
         }
         let want = self.total_bytes().div_ceil(self.chunk_bytes as u64);
         if self.chunks.len() as u64 != want {
-            return Err(WireError::Checkpoint("chunk count does not match size"));
+            return Err(DecodeError::Manifest("chunk count does not match size"));
         }
         Ok(())
     }
@@ -195,21 +195,21 @@ impl CheckpointManifest {
     }
 
     /// Check a received chunk against this manifest.
-    pub fn verify_chunk(&self, c: &CheckpointChunk) -> Result<(), WireError> {
+    pub fn verify_chunk(&self, c: &CheckpointChunk) -> Result<(), Offence> {
         if c.run != self.run {
-            return Err(WireError::WrongRun);
+            return Err(Offence::WrongRun);
         }
         if c.version != self.version {
-            return Err(WireError::Checkpoint("chunk of another version"));
+            return Err(Offence::Checkpoint("chunk of another version"));
         }
         let len = self
             .chunk_len(c.index)
-            .ok_or(WireError::Checkpoint("chunk index out of range"))?;
+            .ok_or(Offence::Checkpoint("chunk index out of range"))?;
         if c.data.len() as u64 != len {
-            return Err(WireError::Checkpoint("chunk length"));
+            return Err(Offence::Checkpoint("chunk length"));
         }
         if ContentId::of(&c.data) != self.chunks[c.index as usize] {
-            return Err(WireError::Checkpoint("chunk hash"));
+            return Err(Offence::Checkpoint("chunk hash"));
         }
         Ok(())
     }

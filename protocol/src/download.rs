@@ -12,6 +12,7 @@ use crypto::{ContentId, NodeId};
 use thiserror::Error;
 
 use crate::checkpoint::CheckpointManifest;
+use crate::error::DecodeError;
 use crate::run::{Limits, RunId};
 use crate::wire::{Message, Signed};
 
@@ -278,8 +279,9 @@ impl CheckpointDownload {
                     other.kind()
                 ))
             }
-            Err(e) if e.penalty() > 0 => return Err(format!("manifest: {e}")),
-            Err(_) => return Ok(None),
+            // Another wire version is a non-answer, not a lie.
+            Err(DecodeError::UnknownVersion(_)) => return Ok(None),
+            Err(e) => return Err(format!("manifest: {e}")),
         };
         if m.body.server != peer {
             return Err("manifest signed by another node".into());

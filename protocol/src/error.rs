@@ -1,14 +1,18 @@
-//! Every reason a message is refused, each naming its cause so that the peer at fault can be
-//! penalized precisely (and an honest one that merely relayed something late is not).
+//! Why a message is refused, in two layers: [`DecodeError`], bytes that do not parse (the
+//! frame, its CBOR, its bounds), and [`Offence`], what a peer did, each naming its cause so
+//! that the peer at fault can be penalized precisely (and an honest one that merely relayed
+//! something late is not). A frame that does not decode is an offence too:
+//! [`Offence::Decode`].
 
 use crypto::{ContentId, NodeId};
 use thiserror::Error;
 
+use crate::cbor::PrecheckError;
 use crate::sparse::SparseError;
 
-/// Why a message was refused or ignored.
+/// Bytes that do not parse: a frame, a CBOR item, a blob, or their bounds.
 #[derive(Debug, Error, Clone, PartialEq)]
-pub enum WireError {
+pub enum DecodeError {
     #[error("{what} is {len} bytes, over the limit of {max}")]
     Oversize {
         what: &'static str,
@@ -21,12 +25,48 @@ pub enum WireError {
     UnknownVersion(u8),
     #[error("unknown message kind {0}")]
     UnknownKind(u8),
-    #[error("message kind {kind} not accepted on this path")]
-    UnexpectedKind { kind: u8 },
     #[error("malformed {what}: {reason}")]
-    Malformed { what: &'static str, reason: String },
+    Malformed {
+        what: &'static str,
+        reason: CborError,
+    },
     #[error("{0} is not in canonical encoding")]
     NonCanonical(&'static str),
+    #[error("{what}: {n} entries, over the limit of {max}")]
+    TooMany {
+        what: &'static str,
+        n: usize,
+        max: usize,
+    },
+    #[error("{0}: entries not strictly ascending")]
+    NotAscending(&'static str),
+    /// A signed manifest that contradicts itself (see `CheckpointManifest::check_structure`).
+    #[error("checkpoint {0}")]
+    Manifest(&'static str),
+    #[error("invalid update: {0}")]
+    Sparse(#[from] SparseError),
+}
+
+/// Why a CBOR item did not parse.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum CborError {
+    /// Refused by the structural pre-check (`crate::cbor::precheck`), before serde.
+    #[error("{0}")]
+    Structure(PrecheckError),
+    /// Refused by serde: the item is not the expected type (the message is serde_cbor's).
+    #[error("{0}")]
+    Serde(String),
+}
+
+/// What a peer did that got its message refused or ignored, and what that costs it
+/// ([`Offence::penalty`]; zero for what an honest peer does too).
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum Offence {
+    /// The bytes did not parse.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("message kind {kind} not accepted on this path")]
+    UnexpectedKind { kind: u8 },
     #[error("bad signature on {what}")]
     BadSignature { what: &'static str },
     #[error("{what}: signer key is not a valid ed25519 key")]
@@ -51,16 +91,6 @@ pub enum WireError {
     BlobIdMismatch { got: ContentId, want: ContentId },
     #[error("header names blob {blob:?}, which belongs to another sender")]
     ForeignBlob { blob: ContentId },
-    #[error("invalid update: {0}")]
-    Sparse(#[from] SparseError),
-    #[error("{what}: {n} entries, over the limit of {max}")]
-    TooMany {
-        what: &'static str,
-        n: usize,
-        max: usize,
-    },
-    #[error("{0}: entries not strictly ascending")]
-    NotAscending(&'static str),
     #[error("hello from {claimed:?} arrived over the connection of {peer:?}")]
     IdentityMismatch { claimed: NodeId, peer: NodeId },
     #[error("two different signed updates from {sender:?} for step {step}")]
@@ -73,8 +103,6 @@ pub enum WireError {
     Duplicate,
     #[error("{0} buffer full")]
     BufferFull(&'static str),
-    #[error("unsolicited response")]
-    Unsolicited,
     #[error("checkpoint {0}")]
     Checkpoint(&'static str),
     #[error("identity proof of work missing or too weak")]
@@ -87,27 +115,27 @@ pub enum WireError {
     FalseCheckpoint,
 }
 
-impl WireError {
+impl From<SparseError> for Offence {
+    fn from(e: SparseError) -> Offence {
+        Offence::Decode(DecodeError::Sparse(e))
+    }
+}
+
+impl Offence {
     /// Penalty points for the peer at fault. Provably invalid content costs a lot; what an
     /// honest peer can produce by being slow or by relaying a replay costs little or nothing.
     pub fn penalty(&self) -> u32 {
-        use WireError::*;
+        use Offence::*;
         match self {
             Equivocation { .. } => 1000,
             BadSignature { .. } | BadKey { .. } | BadProof(_) | IdentityMismatch { .. } => 50,
-            Oversize { .. }
-            | Truncated
-            | UnknownKind(_)
-            | UnexpectedKind { .. }
-            | Malformed { .. }
-            | NonCanonical(_) => 20,
+            // Another wire version is not misconduct; bytes that do not parse are.
+            Decode(DecodeError::UnknownVersion(_)) => 0,
+            Decode(_) | UnexpectedKind { .. } => 20,
             HeaderMismatch { .. }
             | BlobLength { .. }
             | BlobIdMismatch { .. }
-            | ForeignBlob { .. }
-            | Sparse(_)
-            | TooMany { .. }
-            | NotAscending(_) => 20,
+            | ForeignBlob { .. } => 20,
             Checkpoint(_) => 20,
             // Without work the identity is not admitted; a cheap key is no misconduct yet.
             NoWork => 5,
@@ -123,15 +151,57 @@ impl WireError {
                 0
             }
             StepOutOfWindow { .. } => 2,
-            Unsolicited => 1,
             // Another run, another version, late, duplicates and full buffers: not misconduct.
-            UnknownVersion(_)
-            | WrongRun
+            WrongRun
             | VersionMismatch { .. }
             | Late { .. }
             | Banned
             | Duplicate
             | BufferFull(_) => 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The points of every decode error as an offence: 20, but another wire version (0).
+    #[test]
+    fn decode_penalties() {
+        let e = [
+            DecodeError::Oversize {
+                what: "frame",
+                len: 2,
+                max: 1,
+            },
+            DecodeError::Truncated,
+            DecodeError::UnknownKind(99),
+            DecodeError::Malformed {
+                what: "hello",
+                reason: CborError::Structure(PrecheckError::Tagged),
+            },
+            DecodeError::NonCanonical("hello"),
+            DecodeError::TooMany {
+                what: "x",
+                n: 2,
+                max: 1,
+            },
+            DecodeError::NotAscending("x"),
+            DecodeError::Manifest("chunk hash"),
+            DecodeError::Sparse(SparseError::TensorCount { got: 1, want: 2 }),
+        ];
+        for d in e {
+            assert_eq!(Offence::from(d.clone()).penalty(), 20, "{d}");
+        }
+        assert_eq!(Offence::from(DecodeError::UnknownVersion(2)).penalty(), 0);
+        assert_eq!(
+            Offence::from(DecodeError::Malformed {
+                what: "blob",
+                reason: CborError::Structure(PrecheckError::TrailingBytes),
+            })
+            .to_string(),
+            "malformed blob: trailing bytes after the item"
+        );
     }
 }

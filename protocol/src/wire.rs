@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::cbor::precheck;
 use crate::checkpoint::{CheckpointChunk, CheckpointManifest};
 use crate::config::ValueCodec;
-use crate::error::WireError;
+use crate::error::{CborError, DecodeError, Offence};
 use crate::run::{Limits, RunConfig, RunId};
 use crate::sparse::{Layout, SparseUpdate};
 
@@ -230,19 +230,19 @@ impl<T: SignedBody> Signed<T> {
     }
 
     /// Decode the body of `raw` (size-checked, canonical). Does not check the signature.
-    pub fn from_raw(raw: SignedBytes, max_body: usize) -> Result<Signed<T>, WireError> {
+    pub fn from_raw(raw: SignedBytes, max_body: usize) -> Result<Signed<T>, DecodeError> {
         let body = decode_cbor::<T>(&raw.body, max_body, T::WHAT)?;
         Ok(Signed { body, raw })
     }
 
     /// Strictly verify the signature against the signer named in the body.
-    pub fn verify(&self) -> Result<(), WireError> {
+    pub fn verify(&self) -> Result<(), Offence> {
         self.body
             .signer()
             .verify(T::DOMAIN, &self.raw.body, &self.raw.sig)
             .map_err(|e| match e {
-                crypto::CryptoError::BadSignature => WireError::BadSignature { what: T::WHAT },
-                _ => WireError::BadKey { what: T::WHAT },
+                crypto::CryptoError::BadSignature => Offence::BadSignature { what: T::WHAT },
+                _ => Offence::BadKey { what: T::WHAT },
             })
     }
 
@@ -271,19 +271,19 @@ impl EquivocationProof {
     }
 
     /// Check the proof for `run`; on success, who equivocated and at which step.
-    pub fn verify(&self, run: &RunId) -> Result<(NodeId, u64), WireError> {
+    pub fn verify(&self, run: &RunId) -> Result<(NodeId, u64), Offence> {
         let (a, b) = (&self.a.body, &self.b.body);
         if a.run != *run || b.run != *run {
-            return Err(WireError::WrongRun);
+            return Err(Offence::WrongRun);
         }
         if a.sender != b.sender {
-            return Err(WireError::BadProof("different senders"));
+            return Err(Offence::BadProof("different senders"));
         }
         if a.step != b.step {
-            return Err(WireError::BadProof("different steps"));
+            return Err(Offence::BadProof("different steps"));
         }
         if self.a.raw.body >= self.b.raw.body {
-            return Err(WireError::BadProof("headers identical or out of order"));
+            return Err(Offence::BadProof("headers identical or out of order"));
         }
         self.a.verify()?;
         self.b.verify()?;
@@ -313,24 +313,24 @@ impl SummaryEquivocation {
 
     /// The sender and step, from the bodies alone (no signature check): what the engine looks
     /// at before spending two signature checks on a proof it may not need.
-    pub fn claims(&self) -> Result<(NodeId, u64), WireError> {
+    pub fn claims(&self) -> Result<(NodeId, u64), Offence> {
         let (a, b) = (&self.a.body, &self.b.body);
         if a.sender != b.sender {
-            return Err(WireError::BadProof("different senders"));
+            return Err(Offence::BadProof("different senders"));
         }
         if a.step != b.step {
-            return Err(WireError::BadProof("different steps"));
+            return Err(Offence::BadProof("different steps"));
         }
         if self.a.raw.body >= self.b.raw.body {
-            return Err(WireError::BadProof("summaries identical or out of order"));
+            return Err(Offence::BadProof("summaries identical or out of order"));
         }
         Ok((a.sender, a.step))
     }
 
     /// Check the proof for `run`; on success, who equivocated and at which step.
-    pub fn verify(&self, run: &RunId) -> Result<(NodeId, u64), WireError> {
+    pub fn verify(&self, run: &RunId) -> Result<(NodeId, u64), Offence> {
         if self.a.body.run != *run || self.b.body.run != *run {
-            return Err(WireError::WrongRun);
+            return Err(Offence::WrongRun);
         }
         let who = self.claims()?;
         self.a.verify()?;
@@ -398,24 +398,24 @@ pub fn decode_cbor<T: Serialize + DeserializeOwned>(
     b: &[u8],
     max: usize,
     what: &'static str,
-) -> Result<T, WireError> {
+) -> Result<T, DecodeError> {
     if b.len() > max {
-        return Err(WireError::Oversize {
+        return Err(DecodeError::Oversize {
             what,
             len: b.len(),
             max,
         });
     }
-    precheck(b).map_err(|e| WireError::Malformed {
+    precheck(b).map_err(|e| DecodeError::Malformed {
         what,
-        reason: e.to_string(),
+        reason: CborError::Structure(e),
     })?;
-    let v: T = serde_cbor::from_slice(b).map_err(|e| WireError::Malformed {
+    let v: T = serde_cbor::from_slice(b).map_err(|e| DecodeError::Malformed {
         what,
-        reason: e.to_string(),
+        reason: CborError::Serde(e.to_string()),
     })?;
     if to_cbor(&v) != b {
-        return Err(WireError::NonCanonical(what));
+        return Err(DecodeError::NonCanonical(what));
     }
     Ok(v)
 }
@@ -488,20 +488,20 @@ impl Message {
     /// Decode an untrusted frame. Never panics; allocates at most a small multiple of
     /// `bytes.len()`, which is bounded by the run's limit for the frame's kind before anything
     /// is parsed.
-    pub fn decode(bytes: &[u8], l: &Limits) -> Result<Message, WireError> {
+    pub fn decode(bytes: &[u8], l: &Limits) -> Result<Message, DecodeError> {
         if bytes.len() < 2 {
-            return Err(WireError::Truncated);
+            return Err(DecodeError::Truncated);
         }
         if bytes[0] != WIRE_VERSION {
-            return Err(WireError::UnknownVersion(bytes[0]));
+            return Err(DecodeError::UnknownVersion(bytes[0]));
         }
         let k = bytes[1];
         if !(kind::HELLO..=kind::SUMMARY_EQUIVOCATION).contains(&k) {
-            return Err(WireError::UnknownKind(k));
+            return Err(DecodeError::UnknownKind(k));
         }
         let max = Message::max_frame(k, l);
         if bytes.len() > max {
-            return Err(WireError::Oversize {
+            return Err(DecodeError::Oversize {
                 what: "frame",
                 len: bytes.len(),
                 max,
@@ -518,7 +518,7 @@ impl Message {
                     l.max_listen_addrs as usize,
                 )?;
                 if let Some(a) = h.listen.iter().find(|a| a.len() > l.max_addr_len as usize) {
-                    return Err(WireError::Oversize {
+                    return Err(DecodeError::Oversize {
                         what: "listen address",
                         len: a.len(),
                         max: l.max_addr_len as usize,
@@ -588,7 +588,7 @@ impl Message {
 }
 
 /// A signed summary's body, decoded and bounded as in a `Summary` frame.
-fn summary(raw: SignedBytes, max: usize, l: &Limits) -> Result<Signed<StepSummary>, WireError> {
+fn summary(raw: SignedBytes, max: usize, l: &Limits) -> Result<Signed<StepSummary>, DecodeError> {
     let s: Signed<StepSummary> = Signed::from_raw(raw, max)?;
     bound(
         "summary updates",
@@ -599,23 +599,23 @@ fn summary(raw: SignedBytes, max: usize, l: &Limits) -> Result<Signed<StepSummar
     Ok(s)
 }
 
-fn bound(what: &'static str, n: usize, max: usize) -> Result<(), WireError> {
+fn bound(what: &'static str, n: usize, max: usize) -> Result<(), DecodeError> {
     if n > max {
-        return Err(WireError::TooMany { what, n, max });
+        return Err(DecodeError::TooMany { what, n, max });
     }
     Ok(())
 }
 
-fn bound_bytes(what: &'static str, len: usize, max: usize) -> Result<(), WireError> {
+fn bound_bytes(what: &'static str, len: usize, max: usize) -> Result<(), DecodeError> {
     if len > max {
-        return Err(WireError::Oversize { what, len, max });
+        return Err(DecodeError::Oversize { what, len, max });
     }
     Ok(())
 }
 
-pub(crate) fn ascending<T: Ord>(what: &'static str, v: &[T]) -> Result<(), WireError> {
+pub(crate) fn ascending<T: Ord>(what: &'static str, v: &[T]) -> Result<(), DecodeError> {
     if v.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(WireError::NotAscending(what));
+        return Err(DecodeError::NotAscending(what));
     }
     Ok(())
 }
@@ -650,12 +650,12 @@ impl UpdateRules {
     }
 
     /// Cheap checks of a header's fields against the run (no signature, no blob).
-    pub fn check_header(&self, h: &UpdateHeader) -> Result<(), WireError> {
+    pub fn check_header(&self, h: &UpdateHeader) -> Result<(), Offence> {
         if h.run != self.run {
-            return Err(WireError::WrongRun);
+            return Err(Offence::WrongRun);
         }
         let mismatch =
-            |field, got: u64, want: u64| Err(WireError::HeaderMismatch { field, got, want });
+            |field, got: u64, want: u64| Err(Offence::HeaderMismatch { field, got, want });
         if h.codec != self.codec {
             return mismatch("codec", h.codec as u64, self.codec as u64);
         }
@@ -666,37 +666,38 @@ impl UpdateRules {
             return mismatch("chunk", h.chunk as u64, self.chunk as u64);
         }
         if !crypto::pow::check(&self.run.0, &h.sender, h.pow, self.pow_bits) {
-            return Err(WireError::NoWork);
+            return Err(Offence::NoWork);
         }
         if h.blob_len > self.max_blob {
-            return Err(WireError::Oversize {
+            return Err(DecodeError::Oversize {
                 what: "blob (declared)",
                 len: h.blob_len as usize,
                 max: self.max_blob as usize,
-            });
+            }
+            .into());
         }
         Ok(())
     }
 
     /// Check a blob against its (already checked) header: length, content id, structure,
     /// canonical encoding, and content against the layout. Returns the decoded update.
-    pub fn check_blob(&self, h: &UpdateHeader, blob: &[u8]) -> Result<SparseUpdate, WireError> {
+    pub fn check_blob(&self, h: &UpdateHeader, blob: &[u8]) -> Result<SparseUpdate, Offence> {
         if blob.len() as u64 != h.blob_len {
-            return Err(WireError::BlobLength {
+            return Err(Offence::BlobLength {
                 got: blob.len() as u64,
                 want: h.blob_len,
             });
         }
         let id = UpdateHeader::blob_id(&h.sender, h.step, blob);
         if id != h.blob {
-            return Err(WireError::BlobIdMismatch {
+            return Err(Offence::BlobIdMismatch {
                 got: id,
                 want: h.blob,
             });
         }
-        precheck(blob).map_err(|e| WireError::Malformed {
+        precheck(blob).map_err(|e| DecodeError::Malformed {
             what: "blob",
-            reason: e.to_string(),
+            reason: CborError::Structure(e),
         })?;
         let u = SparseUpdate::decode(blob, self.max_blob as usize)?;
         u.validate(&self.layout, self.topk, self.codec)?;
@@ -731,7 +732,7 @@ mod tests {
         let packed = serde_cbor::ser::to_vec_packed(&hello()).unwrap();
         assert!(matches!(
             Message::decode(&frame(kind::HELLO, packed), &limits()),
-            Err(WireError::NonCanonical("hello"))
+            Err(DecodeError::NonCanonical("hello"))
         ));
         // An unknown extra field.
         let mut v = serde_cbor::value::to_value(hello()).unwrap();
@@ -751,21 +752,21 @@ mod tests {
     #[test]
     fn framing_errors_are_typed() {
         let l = limits();
-        assert_eq!(Message::decode(&[1], &l), Err(WireError::Truncated));
+        assert_eq!(Message::decode(&[1], &l), Err(DecodeError::Truncated));
         assert_eq!(
             Message::decode(&[2, 1, 0], &l),
-            Err(WireError::UnknownVersion(2))
+            Err(DecodeError::UnknownVersion(2))
         );
         assert_eq!(
             Message::decode(&[1, 99, 0], &l),
-            Err(WireError::UnknownKind(99))
+            Err(DecodeError::UnknownKind(99))
         );
         let big = vec![0u8; l.max_message_bytes as usize + 1];
         let mut f = vec![1, kind::SUMMARY];
         f.extend_from_slice(&big);
         assert!(matches!(
             Message::decode(&f, &l),
-            Err(WireError::Oversize { what: "frame", .. })
+            Err(DecodeError::Oversize { what: "frame", .. })
         ));
     }
 
@@ -804,7 +805,7 @@ mod tests {
         let f = Message::Summary(Signed::sign(s, &id)).encode();
         assert_eq!(
             Message::decode(&f, &limits()),
-            Err(WireError::NotAscending("summary updates"))
+            Err(DecodeError::NotAscending("summary updates"))
         );
     }
 }

@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use crypto::NodeId;
 use protocol::engine::{Action, Report};
-use protocol::error::WireError;
+use protocol::error::Offence;
 use protocol::run::{Defence, RunConfig};
 
 fn defended(d: Defence) -> RunConfig {
@@ -47,7 +47,7 @@ fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
     }
 }
 
-fn penalized_for(sim: &Sim, i: usize, who: &NodeId, what: fn(&WireError) -> bool) -> bool {
+fn penalized_for(sim: &Sim, i: usize, who: &NodeId, what: fn(&Offence) -> bool) -> bool {
     sim.actions(i)
         .any(|a| matches!(a, Action::Penalize { peer, reason, .. } if peer == who && what(reason)))
 }
@@ -73,7 +73,7 @@ fn a_harmful_peer_is_spot_checked_outvoted_and_penalized() {
             "node {i} still included the harmful peer at {late:?}"
         );
         assert!(
-            penalized_for(&sim, i, &bad, |e| *e == WireError::HarmfulUpdate),
+            penalized_for(&sim, i, &bad, |e| *e == Offence::HarmfulUpdate),
             "node {i} never penalized the harmful peer"
         );
         assert!(sim.nodes[i].engine.reputation(&bad) < 0);
@@ -126,7 +126,7 @@ fn a_copier_is_detected_and_left_out() {
             included_from(&sim, i, 1, 0).len() >= 8,
             "the victim was left out at {i}"
         );
-        assert!(penalized_for(&sim, i, &copier, |e| *e == WireError::Copy));
+        assert!(penalized_for(&sim, i, &copier, |e| *e == Offence::Copy));
         assert!(sim.nodes[i].log.iter().any(|(_, a)| matches!(
             a,
             Action::Report(Report::CopySuspected { sender, .. }) if *sender == copier
@@ -153,7 +153,7 @@ fn proof_of_work_is_required_and_checked() {
     for (step, (ids, _)) in sim.history(0) {
         assert_eq!(ids.len(), 3, "step {step}: the workers' updates all count");
     }
-    assert!(penalized_for(&sim, 0, &lazy.node_id(), |e| *e == WireError::NoWork));
+    assert!(penalized_for(&sim, 0, &lazy.node_id(), |e| *e == Offence::NoWork));
 }
 
 #[test]
@@ -200,7 +200,7 @@ fn a_false_checkpoint_server_is_banned() {
     );
     sim.run_until(GENESIS + 5 * PERIOD);
     assert!(sim.nodes[0].engine.is_banned(&liar));
-    assert!(penalized_for(&sim, 0, &liar, |e| *e == WireError::FalseCheckpoint));
+    assert!(penalized_for(&sim, 0, &liar, |e| *e == Offence::FalseCheckpoint));
 }
 
 /// The last step at which any honest node included the harmful node's update.

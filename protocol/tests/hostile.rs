@@ -473,7 +473,7 @@ fn resign_honest_ids(wrong_length: bool) {
     );
     assert!(sim.actions(0).any(|a| matches!(
         a,
-        Action::Penalize { peer, reason: protocol::error::WireError::ForeignBlob { .. }, .. }
+        Action::Penalize { peer, reason: protocol::error::Offence::ForeignBlob { .. }, .. }
             if *peer == thief.node_id()
     )));
     let h = sim.history(0);

@@ -201,6 +201,8 @@ proptest! {
             };
             let _ = e.handle(ev, now);
             let _ = e.handle(Event::Timer, now);
+            // The next wake-up never lies in the past.
+            prop_assert!(e.poll_timeout().is_none_or(|t| t > now));
         }
     }
 }

@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use crypto::Identity;
 use protocol::engine::{Action, Event, Report};
-use protocol::error::WireError;
+use protocol::error::{DecodeError, Offence};
 use protocol::sparse::SparseError;
 use protocol::wire::{Message, UpdateHeader};
 
@@ -32,7 +32,7 @@ fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
     }
 }
 
-fn penalized(sim: &Sim, i: usize, who: &crypto::NodeId) -> Vec<WireError> {
+fn penalized(sim: &Sim, i: usize, who: &crypto::NodeId) -> Vec<Offence> {
     sim.actions(i)
         .filter_map(|a| match a {
             Action::Penalize { peer, reason, .. } if peer == who => Some(reason.clone()),
@@ -107,7 +107,7 @@ fn same_events_same_actions_byte_for_byte() {
     assert_eq!(frames(()), frames(()));
 }
 
-fn rejected_with(sim: &Sim, i: usize, pred: impl Fn(&WireError) -> bool) -> bool {
+fn rejected_with(sim: &Sim, i: usize, pred: impl Fn(&Offence) -> bool) -> bool {
     sim.actions(i)
         .any(|a| matches!(a, Action::Report(Report::Rejected { error, .. }) if pred(error)))
 }
@@ -158,24 +158,24 @@ fn malformed_bad_signature_and_invalid_content_are_penalized() {
 
     assert!(rejected_with(&sim, 0, |e| matches!(
         e,
-        WireError::Malformed { .. } | WireError::UnknownKind(_)
+        Offence::Decode(DecodeError::Malformed { .. } | DecodeError::UnknownKind(_))
     )));
     assert!(rejected_with(&sim, 0, |e| matches!(
         e,
-        WireError::BadSignature { .. }
+        Offence::BadSignature { .. }
     )));
     assert!(rejected_with(&sim, 1, |e| matches!(
         e,
-        WireError::Sparse(SparseError::DuplicateIndex { .. })
+        Offence::Decode(DecodeError::Sparse(SparseError::DuplicateIndex { .. }))
     )));
     assert!(rejected_with(&sim, 2, |e| matches!(
         e,
-        WireError::Oversize { .. }
+        Offence::Decode(DecodeError::Oversize { .. })
     )));
     assert!(sim.actions(2).any(|a| matches!(
         a,
         Action::Report(Report::Ignored {
-            error: WireError::WrongRun,
+            error: Offence::WrongRun,
             ..
         })
     )));
@@ -183,7 +183,9 @@ fn malformed_bad_signature_and_invalid_content_are_penalized() {
     assert_eq!(penalized(&sim, 0, &mid).len(), 2);
     assert!(matches!(
         penalized(&sim, 1, &mid)[..],
-        [WireError::Sparse(SparseError::DuplicateIndex { .. })]
+        [Offence::Decode(DecodeError::Sparse(
+            SparseError::DuplicateIndex { .. }
+        ))]
     ));
     // The honest round is unaffected, and nothing of M's was applied.
     assert_agree(&sim, &[0, 1, 2], 3);
@@ -214,11 +216,11 @@ fn replayed_message_outside_window_is_refused() {
     sim.run_until(GENESIS + 8 * PERIOD);
     assert!(rejected_with(&sim, 0, |e| matches!(
         e,
-        WireError::StepOutOfWindow { step: 0, .. }
+        Offence::StepOutOfWindow { step: 0, .. }
     )));
     assert!(matches!(
         penalized(&sim, 0, &relay)[..],
-        [WireError::StepOutOfWindow { .. }]
+        [Offence::StepOutOfWindow { .. }]
     ));
     // Step 0 was applied once.
     let h = sim.history(0);
@@ -247,7 +249,7 @@ fn late_arrival_is_counted_not_applied() {
     assert!(sim.actions(0).any(|a| matches!(
         a,
         Action::Report(Report::Ignored {
-            error: WireError::Late { step: 2 },
+            error: Offence::Late { step: 2 },
             ..
         })
     )));
@@ -284,7 +286,7 @@ fn equivocation_is_proven_banned_and_excluded_everywhere() {
         );
         assert!(penalized(&sim, i, &m.node_id())
             .iter()
-            .any(|e| matches!(e, WireError::Equivocation { step: 2, .. })));
+            .any(|e| matches!(e, Offence::Equivocation { step: 2, .. })));
         let (ids, _) = &sim.history(i)[&2];
         assert!(
             !ids.contains(&ia) && !ids.contains(&ib),
@@ -408,7 +410,7 @@ fn early_arrivals_are_buffered_within_their_bound() {
             matches!(
                 a,
                 Action::Report(Report::Ignored {
-                    error: WireError::BufferFull("early updates"),
+                    error: Offence::BufferFull("early updates"),
                     ..
                 })
             )

@@ -585,6 +585,18 @@ impl World {
             }
             self.act(i, a, now);
         }
+        // One timer event per new instant the engine asks for (stale ones fire harmlessly).
+        let next = self.nodes[i].engine.as_ref().and_then(Engine::poll_timeout);
+        if let Some(at) = next.filter(|&at| self.nodes[i].timer != Some(at)) {
+            self.nodes[i].timer = Some(at);
+            self.q.push(
+                at * 1000,
+                Ev::Engine {
+                    node: i,
+                    ev: Event::Timer,
+                },
+            );
+        }
     }
 
     fn send_gossip(
@@ -809,18 +821,6 @@ impl World {
                 );
             }
             Action::Apply { step, updates } => self.apply(i, step, updates, now),
-            Action::SetTimer { at } => {
-                if self.nodes[i].timer != Some(at) {
-                    self.nodes[i].timer = Some(at);
-                    self.q.push(
-                        at * 1000,
-                        Ev::Engine {
-                            node: i,
-                            ev: Event::Timer,
-                        },
-                    );
-                }
-            }
             Action::Report(r) => {
                 let honest = self.nodes[i].role == Role::Honest;
                 match r {
@@ -853,7 +853,7 @@ impl World {
                     } else {
                         self.adv.false_penalties += 1;
                     }
-                    if matches!(reason, protocol::error::WireError::Equivocation { .. }) {
+                    if matches!(reason, protocol::error::Offence::Equivocation { .. }) {
                         self.adv.equivocations += 1;
                     }
                 }

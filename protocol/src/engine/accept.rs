@@ -20,7 +20,7 @@ impl Engine {
         let msg = match Message::decode(bytes, &self.run.limits) {
             Ok(m) => m,
             Err(e) => {
-                self.refuse(from, tag, e, out);
+                self.refuse(from, tag, e.into(), out);
                 return;
             }
         };
@@ -43,7 +43,7 @@ impl Engine {
             other => {
                 // Updates, manifests and chunks come as responses, never as gossip.
                 Self::verdict(tag, Verdict::Reject, out);
-                self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out);
+                self.blame(from, Offence::UnexpectedKind { kind: other.kind() }, out);
             }
         }
     }
@@ -52,7 +52,7 @@ impl Engine {
         if h.node != from {
             return self.blame(
                 from,
-                WireError::IdentityMismatch {
+                Offence::IdentityMismatch {
                     claimed: h.node,
                     peer: from,
                 },
@@ -60,12 +60,12 @@ impl Engine {
             );
         }
         if h.run != self.run_id {
-            return self.blame(from, WireError::WrongRun, out);
+            return self.blame(from, Offence::WrongRun, out);
         }
         if h.version != PROTOCOL_VERSION {
             return self.blame(
                 from,
-                WireError::VersionMismatch {
+                Offence::VersionMismatch {
                     got: h.version,
                     want: PROTOCOL_VERSION,
                 },
@@ -141,11 +141,11 @@ impl Engine {
         via: Via,
         now: u64,
         out: &mut Vec<Action>,
-    ) -> Result<bool, (WireError, Verdict)> {
+    ) -> Result<bool, (Offence, Verdict)> {
         let h = &header.body;
         let (step, sender) = (h.step, h.sender);
         if h.run != self.run_id {
-            return Err((WireError::WrongRun, Verdict::Ignore));
+            return Err((Offence::WrongRun, Verdict::Ignore));
         }
         self.in_window(step, now)
             .map_err(|e| (e, Verdict::Ignore))?;
@@ -155,10 +155,10 @@ impl Engine {
         };
         if late || self.closed(step) {
             self.metrics.late += 1;
-            return Err((WireError::Late { step }, Verdict::Ignore));
+            return Err((Offence::Late { step }, Verdict::Ignore));
         }
         if self.is_banned(&sender) {
-            return Err((WireError::Banned, Verdict::Ignore));
+            return Err((Offence::Banned, Verdict::Ignore));
         }
         header.verify().map_err(|e| (e, Verdict::Reject))?;
         if let Err(e) = self.rules.check_header(h) {
@@ -183,14 +183,14 @@ impl Engine {
             out.push(Action::Publish {
                 bytes: Message::Equivocation(proof).encode(),
             });
-            let e = WireError::Equivocation { sender, step };
+            let e = Offence::Equivocation { sender, step };
             self.blame(sender, e, out);
             return Ok(false);
         }
         let occupants: Vec<NodeId> = st.headers.keys().copied().collect();
         let evict = self
             .slot(&occupants, sender, step)
-            .ok_or((WireError::BufferFull("updates per step"), Verdict::Ignore))?;
+            .ok_or((Offence::BufferFull("updates per step"), Verdict::Ignore))?;
         let l = &self.run.limits;
         let st = &self.steps[&step];
         if let Some(owner) = self.by_blob.get(&(h.blob, step)) {
@@ -201,7 +201,7 @@ impl Engine {
             let void = st.headers.get(owner).is_none_or(|e| e.contradicted)
                 || st.equivocators.contains(owner);
             if !void {
-                return Err((WireError::Duplicate, Verdict::Ignore));
+                return Err((Offence::Duplicate, Verdict::Ignore));
             }
         }
         let cur = self.run.timing.step_at(now);
@@ -212,7 +212,7 @@ impl Engine {
                 .map(|(_, s)| s.headers.len())
                 .sum();
             if early >= l.max_early_updates as usize {
-                return Err((WireError::BufferFull("early updates"), Verdict::Ignore));
+                return Err((Offence::BufferFull("early updates"), Verdict::Ignore));
             }
             self.metrics.early += 1;
         }
@@ -363,12 +363,12 @@ impl Engine {
                 // those bytes, so the header contradicts its own blob. (A key re-signing an
                 // honest id names bytes bound to another sender: `contradict_claims` catches
                 // it when the honest header and its bytes are at hand.)
-                let contradicted = matches!(err, WireError::BlobLength { .. })
+                let contradicted = matches!(err, Offence::BlobLength { .. })
                     && UpdateHeader::blob_id(&sender, step, &blob) == id;
                 let signer_fault = contradicted
                     || !matches!(
                         err,
-                        WireError::BlobIdMismatch { .. } | WireError::BlobLength { .. }
+                        Offence::BlobIdMismatch { .. } | Offence::BlobLength { .. }
                     );
                 if signer_fault {
                     e.invalid = true;
@@ -395,26 +395,26 @@ impl Engine {
         let (step, sender) = (s.body.step, s.body.sender);
         let res = (|| {
             if s.body.run != self.run_id {
-                return Err((WireError::WrongRun, Verdict::Ignore));
+                return Err((Offence::WrongRun, Verdict::Ignore));
             }
             self.in_window(step, now)
                 .map_err(|e| (e, Verdict::Ignore))?;
             if now > self.run.timing.apply_at(step) || self.closed(step) {
                 self.metrics.late += 1;
-                return Err((WireError::Late { step }, Verdict::Ignore));
+                return Err((Offence::Late { step }, Verdict::Ignore));
             }
             if self.is_banned(&sender) {
-                return Err((WireError::Banned, Verdict::Ignore));
+                return Err((Offence::Banned, Verdict::Ignore));
             }
             if sender == self.me_id {
-                return Err((WireError::Duplicate, Verdict::Ignore));
+                return Err((Offence::Duplicate, Verdict::Ignore));
             }
             let st = self.steps.entry(step).or_default();
             if st.equivocators.contains(&sender)
                 || st.summaries.get(&sender).is_some_and(|p| p.raw == s.raw)
             {
                 // Cheap checks first: a copy of what is held costs no signature check.
-                return Err((WireError::Duplicate, Verdict::Ignore));
+                return Err((Offence::Duplicate, Verdict::Ignore));
             }
             s.verify().map_err(|e| (e, Verdict::Reject))?;
             if !crypto::pow::check(
@@ -423,16 +423,16 @@ impl Engine {
                 s.body.pow,
                 self.run.defence.pow_bits,
             ) {
-                return Err((WireError::NoWork, Verdict::Reject));
+                return Err((Offence::NoWork, Verdict::Reject));
             }
             let st = self.steps.entry(step).or_default();
             if st.summaries.contains_key(&sender) {
-                return Err((WireError::Equivocation { sender, step }, Verdict::Ignore));
+                return Err((Offence::Equivocation { sender, step }, Verdict::Ignore));
             }
             let occupants: Vec<NodeId> = st.summaries.keys().copied().collect();
             let evict = self
                 .slot(&occupants, sender, step)
-                .ok_or((WireError::BufferFull("summaries per step"), Verdict::Ignore))?;
+                .ok_or((Offence::BufferFull("summaries per step"), Verdict::Ignore))?;
             let st = self.steps.entry(step).or_default();
             if let Some(v) = evict {
                 st.summaries.remove(&v);
@@ -444,8 +444,8 @@ impl Engine {
         if let Err((e, v)) = res {
             Self::verdict(tag, v, out);
             match e {
-                WireError::Duplicate => self.metrics.duplicates += 1,
-                WireError::Equivocation { .. } => {
+                Offence::Duplicate => self.metrics.duplicates += 1,
+                Offence::Equivocation { .. } => {
                     // Two different validly signed summaries for one step. The sender's
                     // summary and updates are out of the step here, and the proof goes to
                     // everyone so that every node leaves out the same (SECURITY.md).

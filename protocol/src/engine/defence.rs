@@ -21,16 +21,16 @@ impl Engine {
             Proof::Headers(p) => {
                 let (a, b) = (&p.a.body, &p.b.body);
                 if a.run != self.run_id || b.run != self.run_id {
-                    Err(WireError::WrongRun)
+                    Err(Offence::WrongRun)
                 } else if a.sender != b.sender || a.step != b.step {
-                    Err(WireError::BadProof("different senders or steps"))
+                    Err(Offence::BadProof("different senders or steps"))
                 } else {
                     Ok((a.sender, a.step))
                 }
             }
             Proof::Summaries(p) => {
                 if p.a.body.run != self.run_id || p.b.body.run != self.run_id {
-                    Err(WireError::WrongRun)
+                    Err(Offence::WrongRun)
                 } else {
                     p.claims()
                 }
@@ -82,7 +82,7 @@ impl Engine {
         // Only keys already in the peer table are blamed: a proof about a stranger must not
         // add it there (1,024 such proofs used to fill the table for good).
         if !self.is_banned(&sender) && self.peers.contains_key(&sender) {
-            self.blame(sender, WireError::Equivocation { sender, step }, out);
+            self.blame(sender, Offence::Equivocation { sender, step }, out);
         }
     }
 
@@ -312,7 +312,7 @@ impl Engine {
                 });
             }
             if rep <= REP_OFFENDER {
-                self.blame(sender, WireError::HarmfulUpdate, out);
+                self.blame(sender, Offence::HarmfulUpdate, out);
             }
         }
     }
@@ -360,7 +360,7 @@ impl Engine {
                 if let Some(p) = self.peer_mut(sender) {
                     p.rep -= REP_FAIL;
                 }
-                self.blame(sender, WireError::Copy, out);
+                self.blame(sender, Offence::Copy, out);
             }
         }
     }

@@ -151,14 +151,14 @@ impl Engine {
         let (header, data) = match Message::decode(bytes, &self.run.limits) {
             Ok(Message::Update { header, blob }) => (header, blob),
             Ok(other) => {
-                return self.blame(from, WireError::UnexpectedKind { kind: other.kind() }, out)
+                return self.blame(from, Offence::UnexpectedKind { kind: other.kind() }, out)
             }
-            Err(e) => return self.blame(from, e, out),
+            Err(e) => return self.blame(from, e.into(), out),
         };
         if header.body.blob != blob {
             return self.blame(
                 from,
-                WireError::BlobIdMismatch {
+                Offence::BlobIdMismatch {
                     got: header.body.blob,
                     want: blob,
                 },
@@ -233,7 +233,7 @@ impl Engine {
         };
         e.invalid = true;
         e.contradicted = true;
-        self.blame(o, WireError::ForeignBlob { blob: id }, out);
+        self.blame(o, Offence::ForeignBlob { blob: id }, out);
     }
 
     /// A stored header that names blob `id` and still lacks it: of `step` (the want's) if
@@ -333,7 +333,7 @@ impl Engine {
         let refuse = |out: &mut Vec<Action>, what| {
             out.push(Action::Report(Report::Ignored {
                 from: who,
-                error: WireError::BufferFull(what),
+                error: Offence::BufferFull(what),
             }));
             false
         };

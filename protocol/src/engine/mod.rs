@@ -5,6 +5,11 @@
 //! sequence of actions, byte for byte, on any machine. The network shell (node/) and the
 //! simulator (sim/) turn actions into I/O and I/O into events.
 //!
+//! Time out is asked for, not announced, as in quinn-proto's `Connection`: after each `handle`
+//! the driver calls `Engine::poll_timeout()` and arms its one timer to that instant (unix ms),
+//! calling `handle(Event::Timer, at)` when it comes. `None` means nothing is due; an answer
+//! never lies before the `now` of the last `handle`. Extra `Timer` events are harmless.
+//!
 //! # The round (see `StepTiming`)
 //! * During step t's window a node trains on its parameters (version t−1 when on time) and
 //!   publishes a signed header for its update; the blob goes inline when small, else peers fetch
@@ -62,7 +67,7 @@ use std::sync::Arc;
 
 use crypto::{ContentId, Digest, Identity, NodeId};
 
-use crate::error::WireError;
+use crate::error::Offence;
 use crate::run::{RunConfig, RunId};
 use crate::wire::{
     caps, Accusation, EquivocationProof, Hello, Message, Signed, StepSummary, SummaryEquivocation,
@@ -96,7 +101,7 @@ pub enum Event {
         blob: Vec<u8>,
         tokens: u64,
     },
-    /// The timer set by [`Action::SetTimer`] fired (any extra call is harmless).
+    /// The instant given by [`Engine::poll_timeout`] came (any extra call is harmless).
     Timer,
     PeerConnected {
         peer: NodeId,
@@ -168,17 +173,17 @@ pub enum Report {
     /// Provably invalid; the peer at fault is penalized.
     Rejected {
         from: NodeId,
-        error: WireError,
+        error: Offence,
     },
     /// Dropped without fault: late, duplicate, another run, full buffer, out of window.
     Ignored {
         from: NodeId,
-        error: WireError,
+        error: Offence,
     },
     /// The local trainer's update could not be published.
     LocalRefused {
         step: u64,
-        error: WireError,
+        error: Offence,
     },
     StepApplied {
         step: u64,
@@ -265,12 +270,12 @@ pub enum Action {
     },
     Penalize {
         peer: NodeId,
-        reason: WireError,
+        reason: Offence,
         points: u32,
     },
     Ban {
         peer: NodeId,
-        reason: WireError,
+        reason: Offence,
     },
     /// Evaluate this peer's update alone: the loss on the sender's recomputable batch for
     /// `step` before and after applying `bytes` as a sign step to the current parameters;
@@ -281,10 +286,6 @@ pub enum Action {
         blob: ContentId,
         tokens: u64,
         bytes: Blob,
-    },
-    /// Call `handle(Event::Timer, at)` at `at`.
-    SetTimer {
-        at: u64,
     },
     Report(Report),
 }
@@ -417,6 +418,7 @@ pub struct Engine {
     peers: BTreeMap<NodeId, Peer>,
     /// version → reporter → digest, from summaries and hellos.
     attest: BTreeMap<u64, BTreeMap<NodeId, Digest>>,
+    /// When this engine wants `Event::Timer` next (see `poll_timeout`); set by `schedule`.
     timer: Option<u64>,
     rng: crate::rng::Rng,
     metrics: Metrics,
@@ -558,7 +560,14 @@ impl Engine {
         self.peers.get(peer).map_or(0, |p| p.score)
     }
 
-    /// Process one event at time `now` (unix ms).
+    /// The instant (unix ms) at which the driver should call `handle(Event::Timer, at)`, as of
+    /// the last `handle`; `None` when nothing is due. Ask after every `handle` and re-arm: the
+    /// answer moves as events come in (quinn-proto's `Connection::poll_timeout` is the model).
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.timer
+    }
+
+    /// Process one event at time `now` (unix ms); then ask [`Engine::poll_timeout`].
     pub fn handle(&mut self, ev: Event, now: u64) -> Vec<Action> {
         let mut out = Vec::new();
         self.expire_fetches(now);
@@ -625,7 +634,7 @@ impl Engine {
                 gain,
             } => self.on_spot(step, sender, blob, gain, &mut out),
             Event::BadCheckpoint { from } => {
-                self.blame(from, WireError::FalseCheckpoint, &mut out);
+                self.blame(from, Offence::FalseCheckpoint, &mut out);
                 if let SyncState::Joining { requested, .. } = &mut self.sync {
                     *requested = None;
                 }
@@ -633,7 +642,7 @@ impl Engine {
         }
         self.tick(now, &mut out);
         self.pump(now, &mut out);
-        self.schedule(now, &mut out);
+        self.schedule(now);
         out
     }
 }

@@ -66,7 +66,7 @@ impl Engine {
             && !self.known(p)
     }
 
-    pub(super) fn blame(&mut self, peer: NodeId, error: WireError, out: &mut Vec<Action>) {
+    pub(super) fn blame(&mut self, peer: NodeId, error: Offence, out: &mut Vec<Action>) {
         let points = error.penalty();
         if points == 0 {
             self.metrics.ignored += 1;
@@ -115,7 +115,7 @@ impl Engine {
         &mut self,
         from: NodeId,
         tag: Option<u64>,
-        e: WireError,
+        e: Offence,
         out: &mut Vec<Action>,
     ) {
         let v = if e.penalty() > 0 {

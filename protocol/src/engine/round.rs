@@ -17,10 +17,10 @@ impl Engine {
         self.run.timing.step_at(now) + self.run.limits.future_steps as u64
     }
 
-    pub(super) fn in_window(&self, step: u64, now: u64) -> Result<(), WireError> {
+    pub(super) fn in_window(&self, step: u64, now: u64) -> Result<(), Offence> {
         let (lo, hi) = (self.lo_step(now), self.hi_step(now));
         if step < lo || step > hi {
-            return Err(WireError::StepOutOfWindow { step, lo, hi });
+            return Err(Offence::StepOutOfWindow { step, lo, hi });
         }
         Ok(())
     }
@@ -42,10 +42,10 @@ impl Engine {
             out.push(Action::Report(Report::LocalRefused { step, error }))
         };
         if self.sync != SyncState::Synced {
-            return refuse(WireError::Checkpoint("not synced"), out);
+            return refuse(Offence::Checkpoint("not synced"), out);
         }
         if now > self.run.timing.publish_deadline(step) || self.closed(step) {
-            return refuse(WireError::Late { step }, out);
+            return refuse(Offence::Late { step }, out);
         }
         if let Err(e) = self.in_window(step, now) {
             return refuse(e, out);
@@ -56,7 +56,7 @@ impl Engine {
             .is_some_and(|s| s.headers.contains_key(&self.me_id))
         {
             // A second update for one step would be an equivocation: never sign one.
-            return refuse(WireError::Duplicate, out);
+            return refuse(Offence::Duplicate, out);
         }
         let header = UpdateHeader {
             run: self.run_id,
@@ -93,7 +93,7 @@ impl Engine {
         match self.slot(&occupants, self.me_id, step) {
             Some(Some(victim)) => self.evict_header(step, victim, out),
             Some(None) => {}
-            None => return refuse(WireError::BufferFull("updates per step"), out),
+            None => return refuse(Offence::BufferFull("updates per step"), out),
         }
         let signed = Signed::sign(header, &self.me);
         // With a first-hop relay connected, upload the update to it once and let it gossip
@@ -401,7 +401,8 @@ impl Engine {
         self.attest = self.attest.split_off(&alo);
     }
 
-    pub(super) fn schedule(&mut self, now: u64, out: &mut Vec<Action>) {
+    /// The next instant this engine must be woken at (see [`Engine::poll_timeout`]).
+    pub(super) fn schedule(&mut self, now: u64) {
         let t = &self.run.timing;
         let mut at = t.publish_deadline(self.next_summary);
         if self.sync == SyncState::Synced {
@@ -420,9 +421,13 @@ impl Engine {
         if let Some(f) = self.next_fetch_timeout() {
             at = at.min(f);
         }
-        if at > now && self.timer != Some(at) {
+        // A wake-up already due has fired (or is being handled now): forget it, so that
+        // `poll_timeout` never names an instant in the past.
+        if self.timer.is_some_and(|t| t <= now) {
+            self.timer = None;
+        }
+        if at > now {
             self.timer = Some(at);
-            out.push(Action::SetTimer { at });
         }
     }
 }

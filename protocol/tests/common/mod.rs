@@ -128,6 +128,8 @@ pub struct SimNode {
     pub log: Vec<(u64, Action)>,
     version: u64,
     digest: Digest,
+    /// The last instant a Timer was queued for (from `Engine::poll_timeout`).
+    timer: Option<u64>,
 }
 
 pub type DropFn = Box<dyn FnMut(u64, usize, usize, &Event) -> bool>;
@@ -201,6 +203,7 @@ impl Sim {
             log: Vec::new(),
             version: 0,
             digest: genesis.unwrap_or_default(),
+            timer: None,
         });
         let t = self.now;
         for j in 0..me {
@@ -246,6 +249,16 @@ impl Sim {
             for a in actions {
                 self.nodes[to].log.push((at, a.clone()));
                 self.act(to, a);
+            }
+            // One Timer per new instant: stale ones fire harmlessly.
+            let armed = self.nodes[to].timer;
+            if let Some(t) = self.nodes[to]
+                .engine
+                .poll_timeout()
+                .filter(|&t| armed != Some(t))
+            {
+                self.nodes[to].timer = Some(t);
+                self.push(t, to, Event::Timer);
             }
         }
         self.now = end;
@@ -381,7 +394,6 @@ impl Sim {
                 let d = n.digest;
                 self.push(now + 5, me, Event::Applied { step, digest: d });
             }
-            Action::SetTimer { at } => self.push(at, me, Event::Timer),
             Action::SpotCheck {
                 step, sender, blob, ..
             } => {
