@@ -1,9 +1,12 @@
 //! `swarm run --adversary KIND`: a hostile node, FOR TESTS ONLY — the fault drills run one
-//! beside honest processes to show the defences at work over a real network (issue 6). The
-//! attacks are the simulator's (`sim::adversary`), reused, so a drill and a simulated run
-//! attack in the same way. Most content attacks replace the honest update that the engine then
-//! signs and publishes; the protocol-level ones (withholding, equivocation, malformed blobs)
-//! bypass the engine, which would refuse to sign them, and gossip forged frames directly.
+//! beside honest processes to show the defences at work over a real network (issue 6). Every
+//! kind the simulator also has maps onto its `sim::adversary::Attack` ([`Adversary::attack`])
+//! with the same parameters, and the content attacks are the simulator's one catalogue
+//! (`sim::adversary::content_move`), so a drill and a simulated run attack in the same way.
+//! They replace the honest update that the engine then signs and publishes; the
+//! protocol-level ones (withholding, equivocation, malformed blobs) bypass the engine, which
+//! would refuse to sign them, and gossip forged frames directly; those, and the node-only
+//! kinds below, are this file's.
 //!
 //! Throwaway keys (issue 13): `forge-votes` signs two summaries per step that attest
 //! parameters nobody holds (forged votes and a fork attempt in one), and `crowd` brings 16
@@ -20,7 +23,7 @@ use protocol::engine::Included;
 use protocol::run::{RunConfig, RunId};
 use protocol::sparse::SparseUpdate;
 use protocol::wire::{Message, Signed, StepSummary};
-use sim::adversary as adv;
+use sim::adversary::{self as adv, Attack};
 
 use crate::trainer::Snapshot;
 
@@ -75,6 +78,43 @@ pub const CROWD_KEYS: usize = 16;
 /// Blobs a hostile node keeps serving (a crowd's two steps and then some).
 pub const SERVE_KEEP: usize = 4 * CROWD_KEYS;
 
+impl Adversary {
+    /// The simulator's attack this is, with its default parameters; None for the node-only
+    /// kinds (false checkpoints, forged votes, the crowd). Where the node differs it says so
+    /// here: `scale` claims no extra tokens.
+    pub fn attack(self) -> Option<Attack> {
+        Some(match self {
+            Adversary::Signflip => Attack::Signflip,
+            Adversary::Noise => Attack::Noise {
+                scale: adv::NOISE_SCALE,
+            },
+            Adversary::Zero => Attack::Zero,
+            Adversary::Overclaim => Attack::Overclaim {
+                factor: adv::OVERCLAIM_FACTOR,
+            },
+            Adversary::Scale => Attack::Scale {
+                factor: adv::SCALE_FACTOR,
+                claim: false,
+            },
+            Adversary::Alie => Attack::Alie { z: adv::ALIE_Z },
+            Adversary::Ipm => Attack::Ipm {
+                epsilon: adv::IPM_EPSILON,
+            },
+            Adversary::Copier => Attack::Copier {
+                noise: adv::COPIER_NOISE,
+            },
+            Adversary::Stale => Attack::Stale {
+                lag: adv::STALE_LAG,
+            },
+            Adversary::Silent => Attack::Silent,
+            Adversary::Withhold => Attack::Withhold,
+            Adversary::Equivocate => Attack::Equivocate,
+            Adversary::Malformed => Attack::Malformed,
+            Adversary::FalseCheckpoint | Adversary::ForgeVotes | Adversary::Crowd => return None,
+        })
+    }
+}
+
 /// What the hostile node does with a step's honest update.
 pub enum Move {
     /// Hand this update to the engine, which signs and publishes it as usual.
@@ -100,8 +140,6 @@ pub struct Forge<'a> {
 
 /// Others' updates kept from the last applied step.
 const KEEP_SEEN: usize = 64;
-/// How far back `stale` replays.
-const STALE_LAG: u64 = 3;
 
 pub struct Hostile {
     pub kind: Adversary,
@@ -144,18 +182,46 @@ impl Hostile {
         let layout = run.layout();
         let k = run.optim.topk;
         let mut rng = sim::rng::derive(&[0xbad, run.seed, step]);
-        self.own.push_back((step, blob.clone()));
-        while self.own.len() > STALE_LAG as usize + 1 {
-            self.own.pop_front();
+        let attack = self.kind.attack();
+        if let Some(Attack::Stale { lag }) = attack {
+            self.own.push_back((step, blob.clone()));
+            while self.own.len() > lag as usize + 1 {
+                self.own.pop_front();
+            }
         }
         let Ok(u) = SparseUpdate::decode(&blob, run.limits.max_blob_bytes as usize) else {
             return Move::Update { blob, tokens };
         };
-        let honest: Vec<&SparseUpdate> = self.seen.iter().collect();
-        let update = |u: SparseUpdate| Move::Update {
-            blob: u.encode(),
-            tokens,
-        };
+        if let Some(attack) = attack {
+            // Its oldest kept update, if it is `lag` steps old or more.
+            let past = match attack {
+                Attack::Stale { lag } => self.own.front().filter(|(s, _)| *s + lag <= step),
+                _ => None,
+            };
+            let honest: Vec<&SparseUpdate> = self.seen.iter().collect();
+            let cx = adv::Ctx {
+                own: &u,
+                tokens,
+                layout: &layout,
+                k,
+                codec: run.optim.values,
+                seen: &honest,
+                past: past.is_some(),
+                pick: adv::Pick::First,
+                rng: &mut rng,
+            };
+            if let Some(m) = adv::content_move(attack, cx) {
+                let blob = match m.body {
+                    adv::Body::Own => blob,
+                    adv::Body::Past => past.expect("kept").1.clone(),
+                    adv::Body::New(u) => u.encode(),
+                };
+                return Move::Update {
+                    blob,
+                    tokens: m.tokens,
+                };
+            }
+        }
         let forged_with = |b: &[u8], tokens: u64| {
             adv::forge(
                 run,
@@ -170,27 +236,15 @@ impl Hostile {
         };
         let forged = |b: &[u8]| forged_with(b, tokens);
         match self.kind {
-            Adversary::Signflip => update(adv::signflip(&u, &layout)),
-            Adversary::Noise => update(adv::noise(&u, &layout, k, 10.0, &mut rng)),
-            Adversary::Zero => update(adv::zero(&layout, k, run.optim.values)),
-            Adversary::Overclaim => Move::Update {
-                blob,
-                tokens: tokens.saturating_mul(16),
-            },
-            Adversary::Scale => update(adv::scale(&u, &layout, 100.0)),
-            Adversary::Alie => update(adv::alie(&u, &honest, &layout, k, 1.0)),
-            Adversary::Ipm => update(adv::ipm(&u, &honest, &layout, k, 0.1)),
-            Adversary::Copier => match honest.first() {
-                Some(v) => update(adv::copy(v, &layout, 0.01, &mut rng)),
-                None => Move::Update { blob, tokens },
-            },
-            Adversary::Stale => match self.own.front() {
-                Some((s, old)) if *s + STALE_LAG <= step => Move::Update {
-                    blob: old.clone(),
-                    tokens,
-                },
-                _ => Move::Update { blob, tokens },
-            },
+            Adversary::Signflip
+            | Adversary::Noise
+            | Adversary::Zero
+            | Adversary::Overclaim
+            | Adversary::Scale
+            | Adversary::Alie
+            | Adversary::Ipm
+            | Adversary::Copier
+            | Adversary::Stale => unreachable!("content attacks are the catalogue's"),
             Adversary::Silent => Move::Nothing,
             Adversary::Withhold => {
                 let (_, announce, _) = forged(&blob);
@@ -209,19 +263,18 @@ impl Hostile {
                 }
             }
             Adversary::Malformed => {
-                let m = adv::Malformation::for_step(step);
-                if m.frame_level() {
-                    let f = adv::bad_frame(m, run.limits.max_message_bytes as usize, &mut rng);
-                    Move::Raw {
+                let max = run.limits.max_message_bytes as usize;
+                match adv::malformed(step, &u, &layout, max, &mut rng) {
+                    adv::Bad::Frame(f) => Move::Raw {
                         gossip: vec![f],
                         serve: Vec::new(),
-                    }
-                } else {
-                    let bad = adv::bad_blob(m, &u, &layout);
-                    let (id, announce, upd) = forged(&bad);
-                    Move::Raw {
-                        gossip: vec![announce],
-                        serve: vec![(id, upd)],
+                    },
+                    adv::Bad::Blob(bad) => {
+                        let (id, announce, upd) = forged(&bad);
+                        Move::Raw {
+                            gossip: vec![announce],
+                            serve: vec![(id, upd)],
+                        }
                     }
                 }
             }
@@ -295,4 +348,30 @@ pub fn falsify(snap: &Snapshot) -> Snapshot {
         *b ^= 1;
     }
     Snapshot::new(snap.version, tensors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    #[test]
+    fn kinds_map_onto_the_simulators_attacks_by_name() {
+        let mut mapped = 0;
+        for kind in Adversary::value_variants() {
+            let name = kind
+                .to_possible_value()
+                .expect("named")
+                .get_name()
+                .to_string();
+            if let Some(a) = kind.attack() {
+                assert_eq!(a.name(), name);
+                a.check().unwrap();
+                mapped += 1;
+            } else {
+                assert!(["false-checkpoint", "forge-votes", "crowd"].contains(&name.as_str()));
+            }
+        }
+        assert_eq!(mapped, Adversary::value_variants().len() - 3);
+    }
 }

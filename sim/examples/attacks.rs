@@ -107,7 +107,10 @@ fn main() {
     let undefended = vec![
         Attack::Noise { scale: 10.0 },
         Attack::Signflip,
-        Attack::Scale { factor: 100.0 },
+        Attack::Scale {
+            factor: 100.0,
+            claim: true,
+        },
         Attack::Alie { z: 1.0 },
         Attack::Ipm { epsilon: 0.1 },
     ];

@@ -3,7 +3,9 @@
 //! An attacker node runs a real engine and trains like everyone else (it keeps its momentum,
 //! so its honest update is always at hand); [`Attack`] says what it publishes instead. The
 //! transforms here are pure functions of their inputs and a seeded [`Rng`], so a scenario and
-//! seed still give byte-identical metrics. `world` applies them (see `World::outgoing`).
+//! seed still give byte-identical metrics. [`content_move`] is the one catalogue of content
+//! attacks, which `world` (`World::outgoing`) and `swarm run --adversary` (node/src/hostile.rs)
+//! both call; how forged frames travel stays theirs.
 //!
 //! Attackers **collude**: they see every honest update of the step (updates are broadcast, so
 //! anyone in the swarm has them within the step; attackers that need them publish a little
@@ -41,10 +43,19 @@ pub enum Attack {
     /// Its honest update with every value negated (gradient ascent).
     Signflip,
     /// Its honest update scaled by `factor`: float values ×factor, and the header claims
-    /// ×factor tokens (with sign values the token claim is the only lever).
+    /// ×factor tokens (with sign values the token claim is the only lever). `claim = false`
+    /// scales the values only (`swarm run --adversary scale`).
     Scale {
         #[serde(default = "hundred")]
         factor: f64,
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        claim: bool,
+    },
+    /// Its honest update as is, with the header claiming ×`factor` tokens (saturating).
+    /// Not one of the measurement's rows ([`Attack::all`]): `scale` lies about tokens too.
+    Overclaim {
+        #[serde(default = "sixteen")]
+        factor: u64,
     },
     /// "A little is enough" (Baruch et al. 2019): per coefficient the honest mean shifted
     /// against its own sign by `z`·σ of the honest updates of the step, `μ − z·σ·sign(μ)`, on
@@ -93,26 +104,54 @@ pub enum Attack {
     },
 }
 
+// The attacks' default parameters: the simulator's scenarios and `swarm run --adversary`
+// both take them from here.
+/// `noise`: × the RMS of the honest update's values.
+pub const NOISE_SCALE: f32 = 10.0;
+/// `scale`: values (and, claiming, tokens) ×this.
+pub const SCALE_FACTOR: f64 = 100.0;
+/// `overclaim`: tokens ×this.
+pub const OVERCLAIM_FACTOR: u64 = 16;
+/// `alie`: z, in σ of the honest updates.
+pub const ALIE_Z: f64 = 1.0;
+/// `ipm`: ε.
+pub const IPM_EPSILON: f64 = 0.1;
+/// `copier`: the fraction of values perturbed.
+pub const COPIER_NOISE: f64 = 0.01;
+/// `stale`: steps back.
+pub const STALE_LAG: u64 = 3;
+/// `sybil`: steps per identity.
+pub const SYBIL_EVERY: u64 = 4;
+
 fn one() -> f64 {
-    1.0
+    ALIE_Z
 }
 fn three() -> u64 {
-    3
+    STALE_LAG
 }
 fn four() -> u64 {
-    4
+    SYBIL_EVERY
 }
 fn ten() -> f32 {
-    10.0
+    NOISE_SCALE
 }
 fn tenth() -> f64 {
-    0.1
+    IPM_EPSILON
 }
 fn hundredth() -> f64 {
-    0.01
+    COPIER_NOISE
 }
 fn hundred() -> f64 {
-    100.0
+    SCALE_FACTOR
+}
+fn sixteen() -> u64 {
+    OVERCLAIM_FACTOR
+}
+fn yes() -> bool {
+    true
+}
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl Attack {
@@ -124,7 +163,10 @@ impl Attack {
             Attack::Silent,
             Attack::Noise { scale: ten() },
             Attack::Signflip,
-            Attack::Scale { factor: hundred() },
+            Attack::Scale {
+                factor: hundred(),
+                claim: true,
+            },
             Attack::Alie { z: one() },
             Attack::Ipm { epsilon: tenth() },
             Attack::Zero,
@@ -144,6 +186,7 @@ impl Attack {
             Attack::Noise { .. } => "noise",
             Attack::Signflip => "signflip",
             Attack::Scale { .. } => "scale",
+            Attack::Overclaim { .. } => "overclaim",
             Attack::Alie { .. } => "alie",
             Attack::Ipm { .. } => "ipm",
             Attack::Zero => "zero",
@@ -159,7 +202,15 @@ impl Attack {
     pub fn label(&self) -> String {
         match *self {
             Attack::Noise { scale } => format!("noise ×{scale}"),
-            Attack::Scale { factor } => format!("scale ×{factor}"),
+            Attack::Scale {
+                factor,
+                claim: true,
+            } => format!("scale ×{factor}"),
+            Attack::Scale {
+                factor,
+                claim: false,
+            } => format!("scale ×{factor} values only"),
+            Attack::Overclaim { factor } => format!("overclaim ×{factor}"),
             Attack::Alie { z } => format!("alie z={z}"),
             Attack::Ipm { epsilon } => format!("ipm ε={epsilon}"),
             Attack::Copier { noise } => format!("copier noise={noise}"),
@@ -181,7 +232,8 @@ impl Attack {
     pub fn check(&self) -> Result<(), String> {
         let ok = match *self {
             Attack::Noise { scale } => scale.is_finite() && scale >= 0.0,
-            Attack::Scale { factor } => factor.is_finite() && factor > 0.0,
+            Attack::Scale { factor, .. } => factor.is_finite() && factor > 0.0,
+            Attack::Overclaim { factor } => factor >= 1,
             Attack::Alie { z } => z.is_finite() && z >= 0.0,
             Attack::Ipm { epsilon } => epsilon.is_finite() && epsilon > 0.0,
             Attack::Copier { noise } => (0.0..=1.0).contains(&noise),
@@ -543,6 +595,134 @@ pub fn copy(victim: &SparseUpdate, layout: &Layout, noise: f64, rng: &mut Rng) -
 }
 
 // ---------------------------------------------------------------------------------------------
+// the catalogue: what a content attacker publishes
+
+/// Whom `copier` copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// One of the seen updates drawn by the rng; with none seen, its own update, perturbed
+    /// alike (the simulator).
+    Drawn,
+    /// The first seen update; with none seen, its own update as is (`swarm run`).
+    First,
+}
+
+/// What a content attack works from (see [`content_move`]).
+pub struct Ctx<'a> {
+    /// The attacker's honest update of the step, and the tokens it trained on.
+    pub own: &'a SparseUpdate,
+    pub tokens: u64,
+    pub layout: &'a Layout,
+    pub k: u32,
+    /// The run's value codec (the free rider's values).
+    pub codec: ValueCodec,
+    /// Others' honest updates in view: the simulator's attackers see the current step's,
+    /// `swarm run --adversary` the previous step's (the last applied).
+    pub seen: &'a [&'a SparseUpdate],
+    /// Whether its own update of the `stale` lag ago is at hand (the caller keeps it).
+    pub past: bool,
+    pub pick: Pick,
+    pub rng: &'a mut Rng,
+}
+
+/// Which update a [`ContentMove`] publishes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Body {
+    /// Its own honest update, as is.
+    Own,
+    /// Its own update of the `stale` lag ago (the caller's, see [`Ctx::past`]).
+    Past,
+    /// A made-up one.
+    New(SparseUpdate),
+}
+
+/// A content attacker's update for the step and the tokens its header claims.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContentMove {
+    pub body: Body,
+    pub tokens: u64,
+}
+
+/// The one catalogue of content attacks, for the simulator and `swarm run --adversary` alike:
+/// what `attack` publishes in place of `cx.own`. None for the attacks that are not about
+/// content (withholding, silence, equivocation, malformed messages: the caller's, which
+/// delivers them its own way; see [`malformed`]).
+pub fn content_move(attack: Attack, cx: Ctx) -> Option<ContentMove> {
+    let Ctx {
+        own,
+        tokens,
+        layout,
+        k,
+        codec,
+        seen,
+        past,
+        pick,
+        rng,
+    } = cx;
+    let new = |u: SparseUpdate| Body::New(u);
+    let (body, tokens) = match attack {
+        Attack::Withhold | Attack::Silent | Attack::Equivocate | Attack::Malformed => return None,
+        Attack::Noise { scale } => (new(noise(own, layout, k, scale, rng)), tokens),
+        Attack::Signflip | Attack::Sybil { .. } => (new(signflip(own, layout)), tokens),
+        Attack::Scale { factor, claim } => {
+            let t = if claim {
+                (tokens as f64 * factor).min(u64::MAX as f64) as u64
+            } else {
+                tokens
+            };
+            (new(scale(own, layout, factor)), t)
+        }
+        Attack::Overclaim { factor } => (Body::Own, tokens.saturating_mul(factor)),
+        Attack::Alie { z } => (new(alie(own, seen, layout, k, z)), tokens),
+        Attack::Ipm { epsilon } => (new(ipm(own, seen, layout, k, epsilon)), tokens),
+        Attack::Zero => (new(zero(layout, k, codec)), tokens),
+        Attack::Copier { noise } => {
+            let body = match pick {
+                Pick::Drawn => {
+                    let victim = if seen.is_empty() {
+                        own
+                    } else {
+                        seen[rng.below(seen.len() as u64) as usize]
+                    };
+                    new(copy(victim, layout, noise, rng))
+                }
+                Pick::First => match seen.first() {
+                    Some(v) => new(copy(v, layout, noise, rng)),
+                    None => Body::Own,
+                },
+            };
+            (body, tokens)
+        }
+        Attack::Stale { .. } => (if past { Body::Past } else { Body::Own }, tokens),
+    };
+    Some(ContentMove { body, tokens })
+}
+
+/// What `malformed` sends at `step` (see [`Malformation::for_step`]).
+pub enum Bad {
+    /// A gossip frame that fails decoding, sent as is.
+    Frame(Vec<u8>),
+    /// Blob bytes that fail validation, to go out under a validly signed header.
+    Blob(Vec<u8>),
+}
+
+/// The `malformed` attacker's message for `step`, built from its honest update `own`.
+pub fn malformed(
+    step: u64,
+    own: &SparseUpdate,
+    layout: &Layout,
+    max_message_bytes: usize,
+    rng: &mut Rng,
+) -> Bad {
+    let m = Malformation::for_step(step);
+    if m.frame_level() {
+        Bad::Frame(bad_frame(m, max_message_bytes, rng))
+    } else {
+        Bad::Blob(bad_blob(m, own, layout))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // malformed messages and forged frames
 
 /// What the `malformed` attacker sends at a step (in turn, by step number).
@@ -763,6 +943,62 @@ mod tests {
                     .and_then(|u| u.validate(&l, 4, codec).map_err(|e| e.to_string()));
                 assert!(bad.is_err(), "{m:?} {codec:?} passed validation");
             }
+        }
+    }
+
+    #[test]
+    fn the_catalogue_claims_tokens_and_falls_back_as_asked() {
+        let l = layout();
+        let own = some(&l, ValueCodec::F32, 1);
+        let other = some(&l, ValueCodec::F32, 2);
+        let seen = [&other];
+        let mut r = derive(&[3]);
+        let mut go = |a: Attack, seen: &[&SparseUpdate], past: bool, pick: Pick| {
+            content_move(
+                a,
+                Ctx {
+                    own: &own,
+                    tokens: 10,
+                    layout: &l,
+                    k: 4,
+                    codec: ValueCodec::F32,
+                    seen,
+                    past,
+                    pick,
+                    rng: &mut r,
+                },
+            )
+        };
+        let scale = |claim| Attack::Scale {
+            factor: 100.0,
+            claim,
+        };
+        assert_eq!(
+            go(scale(true), &[], false, Pick::Drawn).unwrap().tokens,
+            1000
+        );
+        assert_eq!(
+            go(scale(false), &[], false, Pick::Drawn).unwrap().tokens,
+            10
+        );
+        let over = go(Attack::Overclaim { factor: 16 }, &[], false, Pick::Drawn).unwrap();
+        assert_eq!((over.body, over.tokens), (Body::Own, 160));
+        let stale = Attack::Stale { lag: 3 };
+        assert_eq!(go(stale, &[], true, Pick::Drawn).unwrap().body, Body::Past);
+        assert_eq!(go(stale, &[], false, Pick::Drawn).unwrap().body, Body::Own);
+        let copier = Attack::Copier { noise: 0.0 };
+        assert_eq!(go(copier, &[], false, Pick::First).unwrap().body, Body::Own);
+        assert_eq!(
+            go(copier, &seen, false, Pick::First).unwrap().body,
+            Body::New(other.clone())
+        );
+        for a in [
+            Attack::Withhold,
+            Attack::Silent,
+            Attack::Equivocate,
+            Attack::Malformed,
+        ] {
+            assert!(go(a, &seen, false, Pick::Drawn).is_none());
         }
     }
 

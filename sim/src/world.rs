@@ -22,7 +22,7 @@ use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
 use protocol::wire::UpdateHeader;
 
-use crate::adversary::{self, Attack, Malformation};
+use crate::adversary::{self, Attack, Bad, Body};
 use crate::metrics::{finish, quantile, Adversary, Metrics, StepMetrics};
 use crate::net::{LinkProfile, Network, Partition};
 use crate::queue::{EventQueue, Micros};
@@ -916,6 +916,7 @@ impl World {
     /// The one place a node's outgoing update is made from its honest one, by its role: the
     /// blob its engine publishes and the tokens its header states, nothing, or frames forged
     /// in its name (equivocation, malformed messages: what an honest engine refuses to sign).
+    /// Content attacks are `adversary::content_move`'s, the catalogue `swarm run` shares.
     fn outgoing(&mut self, i: usize, step: u64, honest: Local) -> Outgoing {
         let attack = match self.nodes[i].role {
             Role::Honest | Role::Hostile(Attack::Withhold) => {
@@ -931,7 +932,7 @@ impl World {
         let k = self.run.optim.topk;
         let mut rng = derive(&[self.sc.seed, i as u64, step, 0x686f_7374]);
         let Local { update, tokens, .. } = honest;
-        let local = |u: SparseUpdate, tokens: u64| Outgoing::Local {
+        let local = |u: &SparseUpdate, tokens: u64| Outgoing::Local {
             blob: u.encode(),
             tokens,
         };
@@ -940,40 +941,31 @@ impl World {
             .get(&step)
             .map(|v| v.iter().collect())
             .unwrap_or_default();
+        let past = match attack {
+            Attack::Stale { lag } => step
+                .checked_sub(lag)
+                .and_then(|s| self.own_past.get(&(i, s))),
+            _ => None,
+        };
+        let cx = adversary::Ctx {
+            own: &update,
+            tokens,
+            layout: &layout,
+            k,
+            codec: update.codec,
+            seen: &seen,
+            past: past.is_some(),
+            pick: adversary::Pick::Drawn,
+            rng: &mut rng,
+        };
+        if let Some(m) = adversary::content_move(attack, cx) {
+            return match m.body {
+                Body::Own => local(&update, m.tokens),
+                Body::Past => local(past.expect("kept"), m.tokens),
+                Body::New(u) => local(&u, m.tokens),
+            };
+        }
         match attack {
-            Attack::Withhold | Attack::Silent => unreachable!("handled above"),
-            Attack::Noise { scale } => local(
-                adversary::noise(&update, &layout, k, scale, &mut rng),
-                tokens,
-            ),
-            Attack::Signflip | Attack::Sybil { .. } => {
-                local(adversary::signflip(&update, &layout), tokens)
-            }
-            Attack::Scale { factor } => {
-                let t = (tokens as f64 * factor).min(u64::MAX as f64) as u64;
-                local(adversary::scale(&update, &layout, factor), t)
-            }
-            Attack::Alie { z } => local(adversary::alie(&update, &seen, &layout, k, z), tokens),
-            Attack::Ipm { epsilon } => {
-                local(adversary::ipm(&update, &seen, &layout, k, epsilon), tokens)
-            }
-            Attack::Zero => local(adversary::zero(&layout, k, update.codec), tokens),
-            Attack::Copier { noise } => {
-                let victim = if seen.is_empty() {
-                    update.clone()
-                } else {
-                    seen[rng.below(seen.len() as u64) as usize].clone()
-                };
-                local(adversary::copy(&victim, &layout, noise, &mut rng), tokens)
-            }
-            Attack::Stale { lag } => {
-                let old = step
-                    .checked_sub(lag)
-                    .and_then(|s| self.own_past.get(&(i, s)))
-                    .cloned()
-                    .unwrap_or(update);
-                local(old, tokens)
-            }
             Attack::Equivocate => {
                 let flipped = adversary::signflip(&update, &layout);
                 let (a, fa) = self.forge(i, step, &update.encode(), tokens);
@@ -991,15 +983,15 @@ impl World {
                 }
             }
             Attack::Malformed => {
-                let m = Malformation::for_step(step);
-                let (frame, serve) = if m.frame_level() {
-                    let max = self.run.limits.max_message_bytes as usize;
-                    (adversary::bad_frame(m, max, &mut rng), Vec::new())
-                } else {
-                    let blob = adversary::bad_blob(m, &update, &layout);
-                    let ((id, ann), upd) = self.forge(i, step, &blob, tokens);
-                    (ann, vec![(id, upd)])
-                };
+                let max = self.run.limits.max_message_bytes as usize;
+                let (frame, serve) =
+                    match adversary::malformed(step, &update, &layout, max, &mut rng) {
+                        Bad::Frame(f) => (f, Vec::new()),
+                        Bad::Blob(blob) => {
+                            let ((id, ann), upd) = self.forge(i, step, &blob, tokens);
+                            (ann, vec![(id, upd)])
+                        }
+                    };
                 let sends = self.nodes[i]
                     .mesh
                     .iter()
@@ -1007,6 +999,7 @@ impl World {
                     .collect();
                 Outgoing::Forged { sends, serve }
             }
+            _ => unreachable!("content attacks are the catalogue's"),
         }
     }
 

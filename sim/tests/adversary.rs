@@ -117,7 +117,13 @@ fn overclaimed_tokens_and_stale_replays_are_harmless() {
     let abs = absent();
     // With sign values `scale` can only overstate its tokens, which `share` caps: it is an
     // honest contributor at honest weight. A stale replay is an honest update a few steps old.
-    for a in [Attack::Scale { factor: 100.0 }, Attack::Stale { lag: 3 }] {
+    for a in [
+        Attack::Scale {
+            factor: 100.0,
+            claim: true,
+        },
+        Attack::Stale { lag: 3 },
+    ] {
         let (m, _) = attacked(a);
         within(&m, abs, 2.0, a.name());
     }
