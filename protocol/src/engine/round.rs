@@ -224,140 +224,179 @@ impl Engine {
         while now >= t.publish_deadline(self.next_summary) {
             let step = self.next_summary;
             self.next_summary += 1;
-            let st = self.steps.entry(step).or_default();
-            let held: Vec<(NodeId, ContentId, bool)> = st
-                .headers
-                .iter()
-                .filter(|(s, e)| e.blob.is_some() && !e.invalid && !st.equivocators.contains(*s))
-                .map(|(s, e)| (*s, e.header.body.blob, e.copy))
-                .collect();
-            // What this node vouches for: not what its own checks condemned (see `listable`).
-            let mut ids: Vec<ContentId> = Vec::with_capacity(held.len());
-            for &(snd, id, copy) in &held {
-                if self.listable(snd, copy, step) {
-                    ids.push(id);
-                } else {
-                    self.metrics.withheld += 1;
-                }
-            }
-            // Exact copies share one id: a summary lists each id once (strictly ascending).
-            ids.sort();
-            ids.dedup();
-            if synced {
-                self.spot_checks(step, &held, out);
-            }
-            // Our own view counts toward inclusion only if others heard it too: a summary that
-            // was never published (while joining, or after sleeping past apply time) would let
-            // this node include what nobody else does.
-            if synced && now <= t.apply_at(step) {
-                self.steps.entry(step).or_default().mine = Some(ids.clone());
-                let s = StepSummary {
-                    run: self.run_id,
-                    step,
-                    sender: self.me_id,
-                    updates: ids,
-                    params_version: self.version,
-                    params_digest: self.digest,
-                    pow: self.pow,
-                };
-                out.push(Action::Publish {
-                    bytes: Message::Summary(Signed::sign(s, &self.me)).encode(),
-                });
-            }
+            self.summarize(step, now, synced, &t, out);
         }
         // Apply the next step once its time has come and what the summaries list is here (or
         // can no longer be had).
         if self.sync == SyncState::Synced && self.applying.is_none() {
             let step = self.version;
             if now >= t.apply_at(step) {
-                let hard = t.apply_at(step).max(self.synced_at) + t.grace_ms;
-                let majority = self.run.defence.majority;
-                let st = self.steps.entry(step).or_default();
-                // Votes per blob id: one per summary (ours included when it was published).
-                let mut votes: BTreeMap<ContentId, u32> = BTreeMap::new();
-                let mut voters = 0u32;
-                if let Some(m) = &st.mine {
-                    voters += 1;
-                    for id in m {
-                        *votes.entry(*id).or_default() += 1;
-                    }
+                self.try_apply(step, now, &t, out);
+            }
+        }
+    }
+
+    /// Step `step`'s publish deadline has passed: spot-checks what is held and, while it can
+    /// still count, publishes this node's summary of it.
+    fn summarize(
+        &mut self,
+        step: u64,
+        now: u64,
+        synced: bool,
+        t: &crate::run::StepTiming,
+        out: &mut Vec<Action>,
+    ) {
+        let st = self.steps.entry(step).or_default();
+        let held: Vec<(NodeId, ContentId, bool)> = st
+            .headers
+            .iter()
+            .filter(|(s, e)| e.blob.is_some() && !e.invalid && !st.equivocators.contains(*s))
+            .map(|(s, e)| (*s, e.header.body.blob, e.copy))
+            .collect();
+        // What this node vouches for: not what its own checks condemned (see `listable`).
+        let mut ids: Vec<ContentId> = Vec::with_capacity(held.len());
+        for &(snd, id, copy) in &held {
+            if self.listable(snd, copy, step) {
+                ids.push(id);
+            } else {
+                self.metrics.withheld += 1;
+            }
+        }
+        // Exact copies share one id: a summary lists each id once (strictly ascending).
+        ids.sort();
+        ids.dedup();
+        if synced {
+            self.spot_checks(step, &held, out);
+        }
+        // Our own view counts toward inclusion only if others heard it too: a summary that
+        // was never published (while joining, or after sleeping past apply time) would let
+        // this node include what nobody else does.
+        if synced && now <= t.apply_at(step) {
+            self.steps.entry(step).or_default().mine = Some(ids.clone());
+            let s = StepSummary {
+                run: self.run_id,
+                step,
+                sender: self.me_id,
+                updates: ids,
+                params_version: self.version,
+                params_digest: self.digest,
+                pow: self.pow,
+            };
+            out.push(Action::Publish {
+                bytes: Message::Summary(Signed::sign(s, &self.me)).encode(),
+            });
+        }
+    }
+
+    /// Applies step `step` (its apply time has come) if every update its summaries list is
+    /// here, or cannot be had any more, or the hard deadline has passed.
+    fn try_apply(
+        &mut self,
+        step: u64,
+        now: u64,
+        t: &crate::run::StepTiming,
+        out: &mut Vec<Action>,
+    ) {
+        let hard = t.apply_at(step).max(self.synced_at) + t.grace_ms;
+        let listed = self.listed(step);
+        let (included, missing, waiting) = self.gather(step, &listed);
+        if !waiting || now >= hard {
+            let n = included.len() as u32;
+            for u in &included {
+                if let Some(p) = self.peers.get_mut(&u.sender) {
+                    p.included = p.included.saturating_add(1);
                 }
-                for (p, s) in &st.summaries {
-                    if !self.peers.get(p).is_some_and(|x| x.banned) {
-                        voters += 1;
-                        for id in &s.body.updates {
-                            *votes.entry(*id).or_default() += 1;
-                        }
-                    }
-                }
-                // Union (any summary suffices), or with `Defence::majority` more than half of
-                // the summaries: then a hostile minority can neither push its own updates in
-                // nor keep honest ones out.
-                let before = votes.len() as u64;
-                let listed: BTreeSet<ContentId> = votes
-                    .into_iter()
-                    .filter(|&(_, v)| !majority || 2 * v > voters)
-                    .map(|(id, _)| id)
-                    .collect();
-                self.metrics.outvoted += before - listed.len() as u64;
-                let mut included = Vec::new();
-                let mut missing = 0u32;
-                let mut waiting = false;
-                for id in &listed {
-                    let e = self
-                        .by_blob
-                        .get(&(*id, step))
-                        .and_then(|snd| st.headers.get(snd).map(|e| (snd, e)));
-                    match e {
-                        Some((snd, e)) if e.blob.is_some() && !e.invalid => {
-                            if !st.equivocators.contains(snd) {
-                                included.push(Included {
-                                    blob: *id,
-                                    sender: *snd,
-                                    tokens: e.header.body.tokens,
-                                    bytes: Blob(e.blob.clone().expect("checked")),
-                                });
-                            }
-                        }
-                        Some((_, e)) if e.invalid => {}
-                        _ => {
-                            missing += 1;
-                            waiting |= self.wants.get(id).is_some_and(|w| !w.exhausted());
-                        }
-                    }
-                }
-                if !waiting || now >= hard {
-                    let n = included.len() as u32;
-                    for u in &included {
-                        if let Some(p) = self.peers.get_mut(&u.sender) {
-                            p.included = p.included.saturating_add(1);
-                        }
-                    }
-                    self.metrics.steps_applied += 1;
-                    self.metrics.updates_applied += n as u64;
-                    self.applying = Some(step);
-                    out.push(Action::Report(Report::StepApplied {
-                        step,
-                        included: n,
-                        listed: listed.len() as u32,
-                        missing,
-                    }));
-                    out.push(Action::Apply {
-                        step,
-                        updates: included,
-                    });
-                    let stale: Vec<ContentId> = self
-                        .wants
-                        .iter()
-                        .filter(|(_, w)| w.step <= step)
-                        .map(|(id, _)| *id)
-                        .collect();
-                    for id in stale {
-                        self.resolve_want(id, Verdict::Ignore, out);
-                    }
+            }
+            self.metrics.steps_applied += 1;
+            self.metrics.updates_applied += n as u64;
+            self.applying = Some(step);
+            out.push(Action::Report(Report::StepApplied {
+                step,
+                included: n,
+                listed: listed.len() as u32,
+                missing,
+            }));
+            out.push(Action::Apply {
+                step,
+                updates: included,
+            });
+            let stale: Vec<ContentId> = self
+                .wants
+                .iter()
+                .filter(|(_, w)| w.step <= step)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in stale {
+                self.resolve_want(id, Verdict::Ignore, out);
+            }
+        }
+    }
+
+    /// The blob ids step `step`'s summaries list, by the run's rule (union or majority).
+    fn listed(&mut self, step: u64) -> BTreeSet<ContentId> {
+        let majority = self.run.defence.majority;
+        let st = self.steps.entry(step).or_default();
+        // Votes per blob id: one per summary (ours included when it was published).
+        let mut votes: BTreeMap<ContentId, u32> = BTreeMap::new();
+        let mut voters = 0u32;
+        if let Some(m) = &st.mine {
+            voters += 1;
+            for id in m {
+                *votes.entry(*id).or_default() += 1;
+            }
+        }
+        for (p, s) in &st.summaries {
+            if !self.peers.get(p).is_some_and(|x| x.banned) {
+                voters += 1;
+                for id in &s.body.updates {
+                    *votes.entry(*id).or_default() += 1;
                 }
             }
         }
+        // Union (any summary suffices), or with `Defence::majority` more than half of
+        // the summaries: then a hostile minority can neither push its own updates in
+        // nor keep honest ones out.
+        let before = votes.len() as u64;
+        let listed: BTreeSet<ContentId> = votes
+            .into_iter()
+            .filter(|&(_, v)| !majority || 2 * v > voters)
+            .map(|(id, _)| id)
+            .collect();
+        self.metrics.outvoted += before - listed.len() as u64;
+        listed
+    }
+
+    /// The listed updates held here for step `step` (equivocators' left out), how many are
+    /// missing, and whether a fetch for one of them is still under way.
+    fn gather(&self, step: u64, listed: &BTreeSet<ContentId>) -> (Vec<Included>, u32, bool) {
+        let st = &self.steps[&step];
+        let mut included = Vec::new();
+        let mut missing = 0u32;
+        let mut waiting = false;
+        for id in listed {
+            let e = self
+                .by_blob
+                .get(&(*id, step))
+                .and_then(|snd| st.headers.get(snd).map(|e| (snd, e)));
+            match e {
+                Some((snd, e)) if e.blob.is_some() && !e.invalid => {
+                    if !st.equivocators.contains(snd) {
+                        included.push(Included {
+                            blob: *id,
+                            sender: *snd,
+                            tokens: e.header.body.tokens,
+                            bytes: Blob(e.blob.clone().expect("checked")),
+                        });
+                    }
+                }
+                Some((_, e)) if e.invalid => {}
+                _ => {
+                    missing += 1;
+                    waiting |= self.wants.get(id).is_some_and(|w| !w.exhausted());
+                }
+            }
+        }
+        (included, missing, waiting)
     }
 
     /// Drop what is older than the kept window.
