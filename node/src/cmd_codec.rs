@@ -109,7 +109,6 @@ struct CodecFile {
     blob: Vec<u8>,
 }
 
-
 pub fn run(c: CodecCmd) -> Result<()> {
     match c {
         CodecCmd::Encode {

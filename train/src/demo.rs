@@ -312,7 +312,11 @@ impl DctCodec {
     /// Weight decay then `p −= lr · decoded`, slice by slice, in place. Each element sees the
     /// same two IEEE operations as [`apply_sign_step`] (so the bits agree with it).
     fn apply_stream(&self, params: &[Tensor], agg: &Aggregate, mode: Decode, lr: f64, wd: f64) {
-        assert_eq!(params.len(), self.layout.tensors.len(), "one parameter per layout entry");
+        assert_eq!(
+            params.len(),
+            self.layout.tensors.len(),
+            "one parameter per layout entry"
+        );
         // A parameter that is not contiguous has no in-place 2-D view: decode it densely.
         if params.iter().any(|p| !p.is_contiguous()) {
             let dense = self.decode_dense(agg, mode);
@@ -358,7 +362,12 @@ impl DctCodec {
     /// whole block rows at a time, decoded on the device, handed to `sink(tensor, first row,
     /// [rows, cols] f32)` in the tensor's 2-D view. Exact modes are integer sums below 2^52,
     /// so how the blocks are sliced cannot change a bit.
-    fn decode_stream(&self, agg: &Aggregate, mode: Decode, mut sink: impl FnMut(usize, i64, Tensor)) {
+    fn decode_stream(
+        &self,
+        agg: &Aggregate,
+        mode: Decode,
+        mut sink: impl FnMut(usize, i64, Tensor),
+    ) {
         tch::no_grad(|| {
             for (ti, l) in self.layout.tensors.iter().enumerate() {
                 let g = self.group_of(ti);
@@ -375,7 +384,8 @@ impl DctCodec {
                     _ => None,
                 };
                 let per_block = (m * (h + w) + 2 * h * w) * 8;
-                let rows_per_slice = (self.slice_bytes / (per_block * per_row)).clamp(1, block_rows);
+                let rows_per_slice =
+                    (self.slice_bytes / (per_block * per_row)).clamp(1, block_rows);
                 let mut br = 0;
                 while br < block_rows {
                     let nr = rows_per_slice.min(block_rows - br);
@@ -449,7 +459,10 @@ impl DctCodec {
                 let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
                 let b = protocol::sparse::BASIS_BITS as i32;
                 let s1: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s / 2 + b))).collect();
-                let s2: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s - s / 2 + b))).collect();
+                let s2: Vec<f64> = shifts
+                    .iter()
+                    .map(|&s| 2f64.powi(-(s - s / 2 + b)))
+                    .collect();
                 let s1 = Tensor::from_slice(&s1).view([nb, 1, 1]).to_device(dev);
                 let s2 = Tensor::from_slice(&s2).view([nb, 1, 1]).to_device(dev);
                 let d = Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val, h, w);

@@ -288,7 +288,10 @@ pub fn for_each_f32(
         drop(bytes);
         let shape: Vec<i64> = info.shape.iter().map(|&x| x as i64).collect();
         if vals.len() as i64 != shape.iter().product::<i64>() {
-            return Err(bad(format!("{name}: {} values for shape {shape:?}", vals.len())));
+            return Err(bad(format!(
+                "{name}: {} values for shape {shape:?}",
+                vals.len()
+            )));
         }
         f(i, &name, Tensor::from_slice(&vals).view(&shape[..]))?;
     }
@@ -627,7 +630,8 @@ mod tests {
             .cloned()
             .zip(m.params.iter().map(|p| p.detach()))
             .collect();
-        let path = std::env::temp_dir().join(format!("swarm-stream-{}.safetensors", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("swarm-stream-{}.safetensors", std::process::id()));
         for bf16 in [false, true] {
             write(&path, &tensors, bf16, HashMap::new()).unwrap();
             let (all, _) = read_f32(&path).unwrap();

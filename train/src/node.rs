@@ -382,7 +382,8 @@ impl NodeStep {
         );
         // Decoded slice by slice into the parameters: no dense copy of the model's step.
         if let Some(l) = &self.optim.local {
-            self.codec.apply_exact_values(params, &agg, l.dct, l.outer_lr);
+            self.codec
+                .apply_exact_values(params, &agg, l.dct, l.outer_lr);
             return;
         }
         self.codec

@@ -152,7 +152,11 @@ fn outer_step_is_bit_identical_across_orders_and_threads() {
                 DctCodec::new(l.clone(), Device::Cpu)
                     .with_slice_bytes(1)
                     .apply_exact_values(&s.params, &agg, dct, 0.7);
-                assert_eq!(param_digest(&s.params), param_digest(&m.params), "streamed apply");
+                assert_eq!(
+                    param_digest(&s.params),
+                    param_digest(&m.params),
+                    "streamed apply"
+                );
                 digests.push(param_digest(&m.params));
             }
             assert!(
