@@ -218,15 +218,7 @@ impl<'a> Flow<'a> {
             q.push(us(timing.step_start(s)), Fe::Mark(s));
         }
         for (fi, f) in sc.faults.iter().enumerate() {
-            let at = match f {
-                Fault::Crash {
-                    at_step, offset_ms, ..
-                } => timing.step_start(*at_step) + offset_ms,
-                Fault::Partition { at_step, .. }
-                | Fault::Degrade { at_step, .. }
-                | Fault::Join { at_step, .. } => timing.step_start(*at_step),
-            };
-            q.push(us(at), Fe::Fault(fi));
+            q.push(us(f.at_ms(&timing)), Fe::Fault(fi));
         }
     }
 

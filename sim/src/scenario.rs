@@ -295,6 +295,21 @@ pub enum Fault {
     },
 }
 
+impl Fault {
+    /// When the fault strikes (unix ms on `timing`'s clock): its step's start, plus a crash's
+    /// offset. The engine-mode world and flow mode schedule it at this instant.
+    pub fn at_ms(&self, timing: &protocol::run::StepTiming) -> u64 {
+        match self {
+            Fault::Crash {
+                at_step, offset_ms, ..
+            } => timing.step_start(*at_step) + offset_ms,
+            Fault::Join { at_step, .. }
+            | Fault::Partition { at_step, .. }
+            | Fault::Degrade { at_step, .. } => timing.step_start(*at_step),
+        }
+    }
+}
+
 fn unit() -> f64 {
     1.0
 }

@@ -324,15 +324,7 @@ impl World {
         }
         let t = w.run.timing.clone();
         for (fi, f) in sc.faults.iter().enumerate() {
-            let at = match f {
-                Fault::Crash {
-                    at_step, offset_ms, ..
-                } => t.step_start(*at_step) + offset_ms,
-                Fault::Join { at_step, .. }
-                | Fault::Partition { at_step, .. }
-                | Fault::Degrade { at_step, .. } => t.step_start(*at_step),
-            };
-            w.q.push(at * 1000, Ev::Fault(fi));
+            w.q.push(f.at_ms(&t) * 1000, Ev::Fault(fi));
         }
         for s in 0..=sc.steps {
             w.q.push(t.step_start(s) * 1000, Ev::StepMark(s));

@@ -331,16 +331,11 @@ impl DctCodec {
             .map(|(p, l)| p.view([l.rows as i64, l.cols as i64]))
             .collect();
         tch::no_grad(|| {
-            if decay != 1.0 {
-                for p in &views {
-                    let mut p = p.shallow_clone();
-                    let _ = p.g_mul_(&Tensor::from(decay).to_device(p.device()));
-                }
+            for p in &views {
+                decay_in_place(p, decay);
             }
             self.decode_stream(agg, mode, |ti, r0, part| {
-                let mut p = views[ti].narrow(0, r0, part.size()[0]);
-                let step = part.to_device(p.device()) * Tensor::from(lr32).to_device(p.device());
-                let _ = p.g_sub_(&step);
+                step_in_place(&views[ti].narrow(0, r0, part.size()[0]), &part, lr32);
             });
         });
     }
@@ -436,6 +431,7 @@ impl DctCodec {
         let (nb, m) = (nb as i64, m as i64);
         let dev = self.device;
         let idx = Tensor::from_slice(idx).view([nb, m]).to_device(dev);
+        let val64 = || Tensor::from_slice(val).view([nb, m]).to_device(dev);
         match mode {
             Decode::Values { dct: false } => {
                 let v32: Vec<f32> = val.iter().map(|&x| x as f32).collect();
@@ -445,18 +441,13 @@ impl DctCodec {
                     .view([nb, h, w])
             }
             Decode::Float => {
-                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
                 let (fh, fw) = (g.fht.to_kind(Kind::Double), g.fwt.to_kind(Kind::Double));
-                Self::sparse_inverse(&fh, &fw, &idx, &val, h, w).to_kind(Kind::Float)
+                Self::sparse_inverse(&fh, &fw, &idx, &val64(), h, w).to_kind(Kind::Float)
             }
-            Decode::Sign => {
-                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
-                Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val, h, w)
-                    .sign()
-                    .to_kind(Kind::Float)
-            }
+            Decode::Sign => Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val64(), h, w)
+                .sign()
+                .to_kind(Kind::Float),
             Decode::Values { dct: true } => {
-                let val = Tensor::from_slice(val).view([nb, m]).to_device(dev);
                 let b = protocol::sparse::BASIS_BITS as i32;
                 let s1: Vec<f64> = shifts.iter().map(|&s| 2f64.powi(-(s / 2 + b))).collect();
                 let s2: Vec<f64> = shifts
@@ -465,7 +456,7 @@ impl DctCodec {
                     .collect();
                 let s1 = Tensor::from_slice(&s1).view([nb, 1, 1]).to_device(dev);
                 let s2 = Tensor::from_slice(&s2).view([nb, 1, 1]).to_device(dev);
-                let d = Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val, h, w);
+                let d = Self::sparse_inverse(&g.fhqt, &g.fwqt, &idx, &val64(), h, w);
                 (d * s1 * s2).to_kind(Kind::Float)
             }
         }
@@ -511,14 +502,26 @@ pub fn apply_sign_step(params: &[Tensor], signs: &[Tensor], lr: f64, wd: f64) {
         let decay = (1.0 - lr * wd) as f32;
         let lr32 = lr as f32;
         for (p, s) in params.iter().zip(signs) {
-            let mut p = p.shallow_clone();
-            if decay != 1.0 {
-                let _ = p.g_mul_(&Tensor::from(decay).to_device(p.device()));
-            }
-            let step = s.to_device(p.device()) * Tensor::from(lr32).to_device(p.device());
-            let _ = p.g_sub_(&step);
+            decay_in_place(p, decay);
+            step_in_place(p, s, lr32);
         }
     });
+}
+
+/// `p *= decay` in place (one IEEE multiply per element; nothing when `decay` is 1). Shared
+/// by [`apply_sign_step`] and the streamed apply so both give the same bits.
+fn decay_in_place(p: &Tensor, decay: f32) {
+    if decay != 1.0 {
+        let _ = p
+            .shallow_clone()
+            .g_mul_(&Tensor::from(decay).to_device(p.device()));
+    }
+}
+
+/// `p −= lr · s` in place: the step rounded to f32, then one subtraction per element.
+fn step_in_place(p: &Tensor, s: &Tensor, lr32: f32) {
+    let step = s.to_device(p.device()) * Tensor::from(lr32).to_device(p.device());
+    let _ = p.shallow_clone().g_sub_(&step);
 }
 
 /// One node's DeMo state: its momentum ("delta").

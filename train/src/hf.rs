@@ -593,16 +593,22 @@ mod tests {
         assert!(config_from_json(&v, "x", None).is_err());
     }
 
-    #[test]
-    fn export_then_import_is_bit_identical() {
+    /// A `tiny` model of `seed` and its named tensors.
+    fn tiny_named(seed: u64) -> (ModelConfig, crate::model::Llama, Vec<(String, Tensor)>) {
         let cfg = ModelConfig::named("tiny", 256).unwrap();
-        let m = crate::model::Llama::new(&cfg, tch::Device::Cpu, 7);
-        let tensors: Vec<(String, Tensor)> = m
+        let m = crate::model::Llama::new(&cfg, tch::Device::Cpu, seed);
+        let tensors = m
             .names
             .iter()
             .cloned()
             .zip(m.params.iter().map(|p| p.detach()))
             .collect();
+        (cfg, m, tensors)
+    }
+
+    #[test]
+    fn export_then_import_is_bit_identical() {
+        let (cfg, m, tensors) = tiny_named(7);
         let dir = std::env::temp_dir().join(format!("swarm-hf-{}", std::process::id()));
         let e = export(&cfg, &tensors, &dir, false, None).unwrap();
         assert_eq!(e.params, m.numel());
@@ -622,14 +628,7 @@ mod tests {
     }
     #[test]
     fn streaming_a_file_gives_the_tensors_read_at_once() {
-        let cfg = ModelConfig::named("tiny", 256).unwrap();
-        let m = crate::model::Llama::new(&cfg, tch::Device::Cpu, 3);
-        let tensors: Vec<(String, Tensor)> = m
-            .names
-            .iter()
-            .cloned()
-            .zip(m.params.iter().map(|p| p.detach()))
-            .collect();
+        let (_, _, tensors) = tiny_named(3);
         let path =
             std::env::temp_dir().join(format!("swarm-stream-{}.safetensors", std::process::id()));
         for bf16 in [false, true] {
