@@ -63,7 +63,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("metrics.json"), m.to_json())?;
         if !a.no_plots {
-            sim::plot::all(&m, &dir).map_err(|e| anyhow!("{e}"))?;
+            crate::plot::sim::metrics(&m, &dir)?;
         }
         let last = m.steps.last().cloned().unwrap_or_default();
         eprintln!(

@@ -72,14 +72,20 @@ enum Cmd {
     /// Held-out loss, perplexity and bits per byte of a checkpoint on a text file, a token shard
     /// or the synthetic corpus, as JSON.
     Eval(cmd_model::EvalArgs),
-    /// Draw several `--report` JSON files into one loss plot (e.g. DeMo beside AdamW) and print a
-    /// table of their final losses, gaps to the first report and bytes per step; with several
-    /// reports, also OUT-bytes.png: final loss against bytes sent per step.
+    /// Draw JSON results as PNG: several `--report` files as one loss plot (e.g. DeMo beside
+    /// AdamW) with a table of final losses, gaps to the first report and bytes per step (with
+    /// several reports also OUT-bytes.png: final loss against bytes sent per token); a
+    /// simulator `metrics.json` as loss/bytes/latency/included PNGs in the directory OUT; an
+    /// attack sweep's `attacks.json` as the bar chart OUT.
+    #[command(
+        after_help = "Examples:\n  swarm plot runs/demo/adamw.json runs/demo/swarm.json --out runs/demo/loss.png\n  swarm plot runs/sim/metrics.json --out runs/sim\n  swarm plot runs/attacks/attacks.json --out runs/attacks/attacks.png"
+    )]
     Plot {
-        /// Report files written by `swarm train --report`.
+        /// Reports written by `swarm train --report`, or one simulator metrics.json, or one
+        /// attacks.json.
         #[arg(required = true)]
-        reports: Vec<std::path::PathBuf>,
-        /// Output PNG.
+        files: Vec<std::path::PathBuf>,
+        /// Output PNG (a directory for a simulator metrics.json).
         #[arg(long, short)]
         out: std::path::PathBuf,
     },
@@ -143,32 +149,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::Export(a) => cmd_model::export(a),
         Cmd::Import(a) => cmd_model::import(a),
         Cmd::Eval(a) => cmd_model::eval(a),
-        Cmd::Plot { reports, out } => {
-            let mut loaded = Vec::new();
-            for p in &reports {
-                let r: train::run::Report =
-                    serde_json::from_slice(&std::fs::read(p)?).map_err(|e| {
-                        anyhow::anyhow!("{}: not a swarm train report: {e}", p.display())
-                    })?;
-                let label = p
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().to_string())
-                    .unwrap_or_default();
-                loaded.push((label, r));
-            }
-            plot::loss_plot(&loaded, &out)?;
-            plot::summary_table(&loaded);
-            println!("wrote {}", out.display());
-            if loaded.len() > 1 {
-                let stem = out
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().to_string())
-                    .unwrap_or_default();
-                let bytes = out.with_file_name(format!("{stem}-bytes.png"));
-                plot::bytes_plot(&loaded, &bytes)?;
-                println!("wrote {}", bytes.display());
-            }
-            Ok(())
-        }
+        Cmd::Plot { files, out } => plot::draw(&files, &out),
     }
 }

@@ -1,7 +1,7 @@
 //! Every attacker of `sim::adversary` at 10%, 25% and 40% of the nodes, each against the
 //! honest-only run of the same size and seed, with the content defences on (and off, for
-//! comparison, for a few). Writes `table.md`, `attacks.json` and `attacks.png` to the output
-//! directory and prints the table.
+//! comparison, for a few). Writes `table.md` and `attacks.json` to the output directory and
+//! prints the table; `swarm plot DIR/attacks.json --out DIR/attacks.png` draws the bars.
 //!
 //! `cargo run --release -p sim --example attacks -- [--scenario FILE] [--out DIR]
 //!  [--trainer synthetic|tiny] [--fractions 0.1,0.25,0.4] [--steps N] [--nodes N]
@@ -146,42 +146,11 @@ fn main() {
         serde_json::to_string_pretty(&rows).unwrap(),
     )
     .unwrap();
-    let full: Vec<&adversary::Row> = rows.iter().filter(|r| r.defence == "full").collect();
-    let mut cats: Vec<String> = Vec::new();
-    for r in &full {
-        if !cats.contains(&r.attack) {
-            cats.push(r.attack.clone());
-        }
-    }
-    let series: Vec<(String, Vec<f64>)> = fractions
-        .iter()
-        .map(|&f| {
-            let v = cats
-                .iter()
-                .map(|c| {
-                    full.iter()
-                        .find(|r| &r.attack == c && r.fraction == f)
-                        .map_or(f64::NAN, |r| r.worse_pct)
-                })
-                .collect();
-            (format!("{:.0}% hostile", f * 100.0), v)
-        })
-        .collect();
-    sim::plot::bars(
-        &out.join("attacks.png"),
-        &format!(
-            "{}: final loss vs honest-only, defences on ({} nodes)",
-            base.name,
-            base.nodes()
-        ),
-        "% worse",
-        &cats,
-        &series,
-    )
-    .unwrap();
     eprintln!(
-        "wrote {} in {:.1}s",
+        "wrote {} in {:.1}s (draw it: swarm plot {} --out {})",
         out.display(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        out.join("attacks.json").display(),
+        out.join("attacks.png").display()
     );
 }

@@ -8,7 +8,7 @@
 //!
 //! `--json` writes one JSON object per step (`step`, `train_loss`, `eval_loss`,
 //! `baseline_loss`, `included_min`, `agree`, `digest`), for a test on the node side to read;
-//! `--out` writes `metrics.json` and the plots as `swarm sim` does. The wall time is split into
+//! `--out` writes `metrics.json` as `swarm sim` does (`swarm plot` draws it). The wall time is split into
 //! the simulation itself (until the last step boundary) and what follows it (the AdamW
 //! baseline, when the scenario runs one, and the metrics).
 
@@ -111,7 +111,7 @@ fn run() -> Result<(), String> {
     if let Some(dir) = out {
         std::fs::write(dir.join("metrics.json"), m.to_json())
             .map_err(|e| format!("{}: {e}", dir.display()))?;
-        sim::plot::all(&m, &dir).map_err(|e| e.to_string())?;
+        eprintln!("draw it: swarm plot {} --out {}", dir.join("metrics.json").display(), dir.display());
     }
     if let Some(p) = json {
         let mut f = std::fs::File::create(&p).map_err(|e| format!("{}: {e}", p.display()))?;

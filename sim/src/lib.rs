@@ -11,7 +11,7 @@
 //! * `adversary`: hostile peers (noise, sign flip, ALIE, IPM, copies, equivocation, malformed
 //!   frames, Sybils, ...): what each sends instead of its honest update.
 //! * `worked`: the seed article's worked example, analytic and simulated.
-//! * `scenario`: TOML scenario files; `metrics`: what is measured; `plot`: PNG figures.
+//! * `scenario`: TOML scenario files; `metrics`: what is measured (JSON; `swarm plot` draws it).
 //!
 //! Nothing here reads a clock or global randomness: the same scenario and seed give the same
 //! metrics, byte for byte.
@@ -20,7 +20,6 @@ pub mod adversary;
 pub mod flow;
 pub mod metrics;
 pub mod net;
-pub mod plot;
 pub mod queue;
 pub mod rng;
 pub mod scenario;
@@ -41,8 +40,6 @@ pub enum SimError {
     Scenario(String),
     #[error("i/o: {0}")]
     Io(String),
-    #[error("plot: {0}")]
-    Plot(String),
 }
 
 /// Run a scenario in the mode it names. `progress(step, steps)` is called as virtual time

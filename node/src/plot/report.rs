@@ -1,9 +1,11 @@
-//! PNG plots of training reports.
+//! Training reports (`swarm train --report`, `swarm demo`): loss beside AdamW, bytes sent.
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use plotters::prelude::*;
 use std::path::Path;
 use train::run::Report;
+
+use super::{err, legend};
 
 /// A report's family: the text in its label's last parentheses ("n1 (swarm)" → "swarm"), else
 /// the whole label. Members of a family share a colour and one legend entry, so a demo's four
@@ -21,7 +23,7 @@ pub fn family(label: &str) -> &str {
 /// swarm's sparse updates are orders of magnitude apart).
 pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1000, 820)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    root.fill(&WHITE).map_err(err)?;
     let (top, bottom) = root.split_vertically(560);
     // The x axis runs to the last step recorded: a local-steps report records one entry per
     // window, at the window's last batch, so counting entries cut its second half off.
@@ -79,12 +81,12 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .x_label_area_size(30)
         .y_label_area_size(60)
         .build_cartesian_2d(0f64..steps, (lo - 0.05 * (hi - lo))..hi)
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     chart
         .configure_mesh()
         .y_desc("loss (nats/token)")
         .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
     let mut fams: Vec<&str> = Vec::new();
     for (l, _) in reports {
@@ -112,7 +114,7 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
                 r.steps.iter().map(|s| (s.step as f64, s.train_loss)),
                 c.mix(0.35),
             ))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(err)?;
         if first {
             s.label(format!("{name} train"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.mix(0.35)));
@@ -124,7 +126,7 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
             .collect();
         let s = chart
             .draw_series(LineSeries::new(evals.clone(), c.stroke_width(3)))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(err)?;
         if first {
             s.label(format!("{name} eval (final {:.4})", r.final_eval_loss))
                 .legend(move |(x, y)| {
@@ -133,7 +135,7 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         }
         chart
             .draw_series(evals.iter().map(|&p| Circle::new(p, 3, c.filled())))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(err)?;
     }
     if let Some(f) = reports.iter().find_map(|(_, r)| r.loss_floor) {
         chart
@@ -143,17 +145,11 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
                 6,
                 BLACK.stroke_width(2),
             ))
-            .map_err(|e| anyhow!("{e}"))?
+            .map_err(err)?
             .label(format!("loss floor {f:.4}"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    legend(&mut chart)?;
 
     // Bytes each node sends per step, one colour per family as above.
     let sent: Vec<f64> = reports
@@ -175,14 +171,14 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d(0f64..steps, (bmin..bmax).log_scale())
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     bytes
         .configure_mesh()
         .x_desc("step (batches per node)")
         .y_desc("bytes (log)")
         .y_label_formatter(&|b| human_bytes(*b))
         .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     for (i, (label, r)) in reports.iter().enumerate() {
         let (c, first) = colour(i);
         let pts: Vec<(f64, f64)> = r
@@ -193,21 +189,15 @@ pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
             .collect();
         let s = bytes
             .draw_series(LineSeries::new(pts, c.stroke_width(2)))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(err)?;
         if first {
             let fam = family(label).to_string();
             s.label(fam)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
         }
     }
-    bytes
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
-    root.present().map_err(|e| anyhow!("{e}"))?;
+    legend(&mut bytes)?;
+    root.present().map_err(err)?;
     Ok(())
 }
 
@@ -303,7 +293,7 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         return Ok(());
     }
     let root = BitMapBackend::new(out, (960, 600)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    root.fill(&WHITE).map_err(err)?;
     let (xmin, xmax) = pts
         .iter()
         .fold((f64::INFINITY, 0f64), |(a, b), p| (a.min(p.2), b.max(p.2)));
@@ -326,13 +316,13 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
             (xmin / 2.0..xmax * 3.0).log_scale(),
             (ymin - pad)..(ymax + pad),
         )
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     chart
         .configure_mesh()
         .x_desc("bytes sent per node per token trained (log)")
         .y_desc("final eval loss / reference")
         .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     let mut methods: Vec<&str> = pts.iter().map(|p| p.1.as_str()).collect();
     methods.dedup();
     methods.sort();
@@ -347,7 +337,7 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
         line.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
             .draw_series(LineSeries::new(line.clone(), colour.stroke_width(2)))
-            .map_err(|e| anyhow!("{e}"))?
+            .map_err(err)?
             .label(m.to_string())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
         chart
@@ -355,14 +345,14 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
                 line.iter()
                     .map(|&(x, y)| Circle::new((x, y), 5, colour.filled())),
             )
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(err)?;
     }
     chart
         .draw_series(
             pts.iter()
                 .map(|(l, _, x, y)| Text::new(format!(" {l}"), (*x, *y), ("sans-serif", 14))),
         )
-        .map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
     chart
         .draw_series(DashedLineSeries::new(
             vec![(xmin / 2.0, 1.0), (xmax * 3.0, 1.0)],
@@ -370,15 +360,9 @@ pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
             6,
             BLACK.stroke_width(1),
         ))
-        .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
-    root.present().map_err(|e| anyhow!("{e}"))?;
+        .map_err(err)?;
+    legend(&mut chart)?;
+    root.present().map_err(err)?;
     Ok(())
 }
 
