@@ -111,7 +111,11 @@ fn run() -> Result<(), String> {
     if let Some(dir) = out {
         std::fs::write(dir.join("metrics.json"), m.to_json())
             .map_err(|e| format!("{}: {e}", dir.display()))?;
-        eprintln!("draw it: swarm plot {} --out {}", dir.join("metrics.json").display(), dir.display());
+        eprintln!(
+            "draw it: swarm plot {} --out {}",
+            dir.join("metrics.json").display(),
+            dir.display()
+        );
     }
     if let Some(p) = json {
         let mut f = std::fs::File::create(&p).map_err(|e| format!("{}: {e}", p.display()))?;

@@ -46,7 +46,11 @@ fn main() {
             };
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("metrics.json"), m.to_json()).unwrap();
-            eprintln!("draw it: swarm plot {} --out {}", dir.join("metrics.json").display(), dir.display());
+            eprintln!(
+                "draw it: swarm plot {} --out {}",
+                dir.join("metrics.json").display(),
+                dir.display()
+            );
         }
     }
 }

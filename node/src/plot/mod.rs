@@ -341,7 +341,11 @@ mod tests {
             rejected: 0,
             desyncs: 0,
         };
-        let rows = vec![row("noise", 0.1, 0.5), row("noise", 0.25, 1.5), row("alie", 0.1, -0.2)];
+        let rows = vec![
+            row("noise", 0.1, 0.5),
+            row("noise", 0.25, 1.5),
+            row("alie", 0.1, -0.2),
+        ];
         let attacks = dir.join("attacks.json");
         std::fs::write(&attacks, serde_json::to_string(&rows).expect("json")).expect("write");
         let png = dir.join("attacks.png");
