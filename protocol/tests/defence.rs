@@ -13,7 +13,7 @@ use protocol::run::{Defence, RunConfig};
 fn defended(d: Defence) -> RunConfig {
     let mut run = test_run(false);
     run.defence = d;
-    run.validate().unwrap();
+    run.validate().expect("the test run is valid");
     run
 }
 

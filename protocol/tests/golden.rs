@@ -136,7 +136,7 @@ fn read_hex(name: &str) -> Vec<u8> {
     let p = dir().join(format!("{name}.hex"));
     let s = std::fs::read_to_string(&p)
         .unwrap_or_else(|e| panic!("{}: {e} (bless with SWARM_BLESS=1)", p.display()));
-    crypto::from_hex(&s.split_whitespace().collect::<String>()).unwrap()
+    crypto::from_hex(&s.split_whitespace().collect::<String>()).expect("golden files are hex")
 }
 
 #[test]

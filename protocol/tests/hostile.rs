@@ -22,7 +22,7 @@ fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
             }
         }
         let last = h.keys().next_back().copied().unwrap_or(0);
-        let last0 = *h0.keys().next_back().unwrap();
+        let last0 = *h0.keys().next_back().expect("node 0 applied a step");
         assert!(last + 1 >= last0, "node {i} fell behind: {last} vs {last0}");
     }
 }

@@ -23,7 +23,7 @@ fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
         }
         let (last, last0) = (
             h.keys().next_back().copied().unwrap_or(0),
-            *h0.keys().next_back().unwrap(),
+            *h0.keys().next_back().expect("node 0 applied a step"),
         );
         assert!(
             last + 1 >= last0,

@@ -14,6 +14,9 @@
 //! picks attacks with `--only`, fractions with `--fractions` and `--defences full` to skip the
 //! undefended rows (the honest-only and attackers-silent references always run).
 
+// A measurement run by hand: a failure stops it with its line, which is what its user wants.
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::time::Instant;
 

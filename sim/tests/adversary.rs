@@ -37,7 +37,7 @@ fn base() -> Scenario {
 }
 
 fn run(sc: &Scenario) -> Metrics {
-    sim::run(sc, &mut |_, _| {}).unwrap()
+    sim::run(sc, &mut |_, _| {}).expect("the scenario runs")
 }
 
 fn attacked(a: Attack) -> (Metrics, Adversary) {
@@ -52,7 +52,7 @@ fn attacked(a: Attack) -> (Metrics, Adversary) {
 }
 
 fn loss(m: &Metrics) -> f64 {
-    m.totals.final_loss.unwrap()
+    m.totals.final_loss.expect("a final loss")
 }
 
 /// Final loss with the same nodes silent: what the run reaches if the attackers are simply

@@ -28,7 +28,7 @@ fn small(n: usize, steps: u64) -> Scenario {
 }
 
 fn run(sc: &Scenario) -> sim::Metrics {
-    sim::run(sc, &mut |_, _| {}).unwrap()
+    sim::run(sc, &mut |_, _| {}).expect("the scenario runs")
 }
 
 #[test]

@@ -142,7 +142,10 @@ impl MarkovChain {
             let c = row
                 .iter()
                 .find(|&&(_, c)| u < c)
-                .unwrap_or(row.last().unwrap())
+                .unwrap_or(
+                    row.last()
+                        .expect("a row of the transition table is never empty"),
+                )
                 .0;
             out.push(c);
             a = b;

@@ -29,7 +29,11 @@ impl Rng {
             h.update(p);
         }
         let d = h.finalize();
-        Rng::new(u64::from_le_bytes(d.as_bytes()[..8].try_into().unwrap()))
+        Rng::new(u64::from_le_bytes(
+            d.as_bytes()[..8]
+                .try_into()
+                .expect("a blake3 digest has 32 bytes"),
+        ))
     }
 
     pub fn next_u64(&mut self) -> u64 {

@@ -174,8 +174,8 @@ fn local_step(h: u32) -> (NodeStep, Corpus, ModelConfig) {
         vocab: 16,
         branch: 3,
     })
-    .unwrap();
-    let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).unwrap();
+    .expect("the synthetic corpus opens");
+    let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).expect("tiny is a preset");
     model.layers = 1;
     model.seq_len = 16;
     let optim = OptimConfig {

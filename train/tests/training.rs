@@ -13,8 +13,8 @@ fn opts(optimizer: Optimizer, steps: u32) -> (TrainOptions, Corpus) {
         vocab: 16,
         branch: 3,
     })
-    .unwrap();
-    let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).unwrap();
+    .expect("the synthetic corpus opens");
+    let mut model = ModelConfig::named("tiny", corpus.vocab() as u32).expect("tiny is a preset");
     model.layers = 2;
     model.seq_len = 32;
     let local = optimizer == Optimizer::Local;
@@ -55,8 +55,10 @@ fn check_learns(optimizer: Optimizer, fraction: f64) {
         let m = Llama::new(&o.model, Device::Cpu, o.seed);
         train::run::eval_loss(&m, &corpus, o.seed, 4, 4)
     };
-    let (_, report) = train(&o, &corpus, Device::Cpu, |_| {}).unwrap();
-    let floor = report.loss_floor.unwrap();
+    let (_, report) = train(&o, &corpus, Device::Cpu, |_| {}).expect("trains");
+    let floor = report
+        .loss_floor
+        .expect("the synthetic corpus knows its floor");
     let end = report.final_eval_loss;
     eprintln!("{optimizer:?}: start {start:.3} end {end:.3} floor {floor:.3}");
     assert!(

@@ -1,7 +1,8 @@
 //! An in-memory network of engines for tests: a deterministic event queue, flood gossip,
 //! request-response fetches served by the target's engine, and a fake trainer whose parameter
 //! digest is a hash chain over the exact sets it applied (same sets in, same digest out).
-#![allow(dead_code)]
+// Shared by several test crates, each using part of it: `pub` is how they reach it.
+#![allow(dead_code, unreachable_pub)]
 
 use std::collections::BTreeMap;
 
@@ -53,7 +54,7 @@ pub fn test_run(inline: bool) -> RunConfig {
     if !inline {
         run.limits.inline_blob_bytes = 0;
     }
-    run.validate().unwrap();
+    run.validate().expect("the test run is valid");
     run
 }
 
@@ -240,7 +241,10 @@ impl Sim {
             if at > end {
                 break;
             }
-            let (to, ev) = self.queue.remove(&(at, seq)).unwrap();
+            let (to, ev) = self
+                .queue
+                .remove(&(at, seq))
+                .expect("the key was just found");
             self.now = at;
             if !self.nodes[to].alive {
                 continue;
