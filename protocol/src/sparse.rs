@@ -133,7 +133,10 @@ pub enum SparseError {
     #[error("update is {len} bytes, over the limit of {max}")]
     Oversize { len: usize, max: usize },
     #[error("malformed update encoding: {0}")]
-    Malformed(String),
+    Malformed(crate::error::CborError),
+    /// Parses, but re-encodes to other bytes: one content must have one id.
+    #[error("update encoding is not canonical")]
+    NotCanonical,
     #[error("update has {got} tensors, the model has {want}")]
     TensorCount { got: usize, want: usize },
     #[error("tensor {tensor}: shape {got:?}, expected {want:?}")]
@@ -496,11 +499,11 @@ impl SparseUpdate {
                 max: max_len,
             });
         }
-        let u: SparseUpdate =
-            serde_cbor::from_slice(bytes).map_err(|e| SparseError::Malformed(e.to_string()))?;
+        let u: SparseUpdate = serde_cbor::from_slice(bytes)
+            .map_err(|e| SparseError::Malformed(crate::error::CborError::Serde(e.to_string())))?;
         // Canonical form: re-encoding must give the same bytes, so one content has one id.
         if u.encode() != bytes {
-            return Err(SparseError::Malformed("non-canonical encoding".into()));
+            return Err(SparseError::NotCanonical);
         }
         Ok(u)
     }
@@ -758,6 +761,17 @@ mod tests {
             SparseUpdate::decode(&bytes[..bytes.len() - 3], 1 << 20),
             Err(SparseError::Malformed(_))
         ));
+        // The same map with its length in a longer form than needed: it parses, but one
+        // content would have two ids.
+        assert_eq!(bytes[0], 0xa2, "a map of two fields");
+        let long: Vec<u8> = [0xb8, 2]
+            .into_iter()
+            .chain(bytes[1..].iter().copied())
+            .collect();
+        assert_eq!(
+            SparseUpdate::decode(&long, 1 << 20),
+            Err(SparseError::NotCanonical)
+        );
 
         let mut bad = u.clone();
         bad.tensors[0].shape = vec![64, 128];
