@@ -17,7 +17,7 @@ use crypto::Identity;
 use protocol::config::OptimConfig;
 use protocol::run::RunConfig;
 use serde::Serialize;
-use train::run::{Optimizer, Report, StepRecord, TrainOptions};
+use train::run::{Optimizer, StepRecord, TrainOptions, TrainReport};
 
 use crate::cmd_net::now_ms;
 use crate::status::{self, StatusLine};
@@ -687,7 +687,7 @@ fn build_report(
     by_step: &[BTreeMap<u64, &StatusLine>],
     ag: &Agreement,
     final_eval: Option<f64>,
-    adamw: Option<&Report>,
+    adamw: Option<&TrainReport>,
 ) -> DemoReport {
     let all: Vec<&StatusLine> = c.rows.iter().flatten().collect();
     let mean = |f: fn(&StatusLine) -> u64| mean_of(all.iter().copied(), f).unwrap_or(0.0);
@@ -746,11 +746,11 @@ fn plot(
     corpus: &train::data::Corpus,
     c: &Collected,
     report: &DemoReport,
-    adamw: Option<Report>,
+    adamw: Option<TrainReport>,
 ) -> Result<PathBuf> {
     let hh = run.optim.inner_steps();
-    let mut reports: Vec<(String, Report)> = Vec::new();
-    let base = adamw.clone().unwrap_or_else(|| Report {
+    let mut reports: Vec<(String, TrainReport)> = Vec::new();
+    let base = adamw.clone().unwrap_or_else(|| TrainReport {
         options: opts.clone(),
         data: corpus.describe(),
         params: run.model.param_count() as i64,

@@ -104,7 +104,7 @@ pub struct StepRecord {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Report {
+pub struct TrainReport {
     pub options: TrainOptions,
     pub data: String,
     pub params: i64,
@@ -157,7 +157,7 @@ pub fn train(
     corpus: &Corpus,
     device: Device,
     mut on_step: impl FnMut(&StepRecord),
-) -> Result<(Llama, Report), TrainError> {
+) -> Result<(Llama, TrainReport), TrainError> {
     if opts.replicas == 0 || opts.steps == 0 || opts.batch == 0 {
         return Err(TrainError::Config(
             "replicas, steps and batch must be at least 1".into(),
@@ -363,7 +363,7 @@ pub fn train(
         }
         Optimizer::Adamw => None,
     };
-    let report = Report {
+    let report = TrainReport {
         options: opts.clone(),
         data: corpus.describe(),
         params: model.numel(),

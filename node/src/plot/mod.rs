@@ -1,5 +1,5 @@
 //! Every PNG the project draws, in one place: the simulator and the trainer return data
-//! (`sim::metrics::Metrics`, `sim::adversary::Row`, `train::run::Report`, all JSON), and this
+//! (`sim::metrics::Metrics`, `sim::adversary::Row`, `train::run::TrainReport`, all JSON), and this
 //! module turns it into pictures. `swarm plot FILE…` draws any of those files after the fact,
 //! so a run written by a simulator example without libtorch can be drawn later.
 //!
@@ -219,7 +219,7 @@ pub fn bars(
 /// What a JSON file given to `swarm plot` holds, told apart by its shape.
 pub enum Input {
     /// `swarm train --report` / `swarm demo`'s per-node reports.
-    Report(Box<train::run::Report>),
+    Train(Box<train::run::TrainReport>),
     /// A simulator run's `metrics.json` (`swarm sim`, `sim` examples).
     Sim(Box<::sim::metrics::Metrics>),
     /// The attack sweep's `attacks.json` (`cargo run -p sim --example attacks`).
@@ -230,7 +230,7 @@ impl Input {
     pub fn read(path: &Path) -> Result<Input> {
         let bytes = std::fs::read(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         if let Ok(r) = serde_json::from_slice(&bytes) {
-            return Ok(Input::Report(Box::new(r)));
+            return Ok(Input::Train(Box::new(r)));
         }
         if let Ok(m) = serde_json::from_slice(&bytes) {
             return Ok(Input::Sim(Box::new(m)));
@@ -251,7 +251,7 @@ pub fn draw(files: &[std::path::PathBuf], out: &Path) -> Result<()> {
     for p in files {
         let one = files.len() == 1;
         match Input::read(p)? {
-            Input::Report(r) => {
+            Input::Train(r) => {
                 let label = p
                     .file_stem()
                     .map(|s| s.to_string_lossy().to_string())

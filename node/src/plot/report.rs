@@ -3,7 +3,7 @@
 use anyhow::Result;
 use plotters::prelude::*;
 use std::path::Path;
-use train::run::Report;
+use train::run::TrainReport;
 
 use super::{err, legend};
 
@@ -21,7 +21,7 @@ pub fn family(label: &str) -> &str {
 /// line with points), one colour per family, and the corpus's loss floor (dashed) when it is
 /// known. Bottom: bytes each node sends per step (log scale: AdamW's all-reduce and the
 /// swarm's sparse updates are orders of magnitude apart).
-pub fn loss_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
+pub fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1000, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let (top, bottom) = root.split_vertically(560);
@@ -215,7 +215,7 @@ fn short(s: &str) -> String {
 }
 
 /// Tokens one node trains between two of its sends: a batch, or a window of H for local steps.
-fn tokens_per_send(r: &Report) -> f64 {
+fn tokens_per_send(r: &TrainReport) -> f64 {
     let o = &r.options;
     let hh = if o.optimizer == train::run::Optimizer::Local {
         o.optim.local.as_ref().map_or(16, |l| l.inner_steps.max(1))
@@ -226,14 +226,14 @@ fn tokens_per_send(r: &Report) -> f64 {
 }
 
 /// Bytes one node sends per token it trains (the last record's send over its tokens).
-pub fn bytes_per_token(r: &Report) -> f64 {
+pub fn bytes_per_token(r: &TrainReport) -> f64 {
     r.steps
         .last()
         .map_or(0.0, |s| s.bytes_sent as f64 / tokens_per_send(r))
 }
 
 /// Final eval loss of each report, its distance to the floor and to the first report.
-pub fn summary_table(reports: &[(String, Report)]) {
+pub fn summary_table(reports: &[(String, TrainReport)]) {
     let Some((_, base)) = reports.first() else {
         return;
     };
@@ -271,7 +271,7 @@ pub fn summary_table(reports: &[(String, Report)]) {
 /// it trains (log scale), one line per method (DeMo at several k, local steps at several H…),
 /// so a compressor's figure of merit — how little it sends for how little loss it gives up —
 /// reads at a glance, and methods that exchange every batch or every window compare fairly.
-pub fn bytes_plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
+pub fn bytes_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
     let Some((_, base)) = reports.first() else {
         return Ok(());
     };
@@ -395,7 +395,7 @@ mod tests {
             schedule: Default::default(),
             init: None,
         };
-        let rep = |eval: bool, bytes: u64| Report {
+        let rep = |eval: bool, bytes: u64| TrainReport {
             options: opts.clone(),
             data: "synthetic".into(),
             params: 1,
