@@ -26,6 +26,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::net::{
+    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
+};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use crypto::{ContentId, Digest, Identity, NodeId};
@@ -34,9 +37,6 @@ use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
-use node::net::{
-    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
-};
 use prometheus_client::metrics::gauge::Gauge;
 use protocol::checkpoint::CheckpointChunk;
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
@@ -129,7 +129,7 @@ pub struct RunArgs {
     /// gossipsub mesh degree. With a relay among the --bootstrap peers (`swarm bootstrap
     /// --relay`) updates do not travel the mesh, only headers and summaries do, and 2 keeps
     /// this node's control traffic well below its update (see docs/BENCHMARKS.md).
-    #[arg(long, default_value_t = node::net::DEFAULT_MESH)]
+    #[arg(long, default_value_t = crate::net::DEFAULT_MESH)]
     pub mesh: usize,
     /// Set by `swarm bootstrap --run`: what this node does in the run.
     #[arg(skip)]
@@ -262,7 +262,7 @@ pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
                 batch: None,
                 threads: Some(1),
                 adversary: None,
-                mesh: node::net::DEFAULT_MESH,
+                mesh: crate::net::DEFAULT_MESH,
                 role: if a.relay { Role::Relay } else { Role::Seed },
                 addr_file: a.addr_file,
             },
@@ -1331,7 +1331,7 @@ async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registr
         .await
         .with_context(|| format!("metrics on {addr}"))?;
     tracing::info!("metrics at http://{addr}/metrics");
-    node::metrics::serve(l, reg).await?;
+    crate::metrics::serve(l, reg).await?;
     Ok(())
 }
 

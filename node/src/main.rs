@@ -3,16 +3,12 @@
 mod cmd_codec;
 mod cmd_demo;
 mod cmd_model;
-mod cmd_net;
 mod cmd_sim;
 mod cmd_train;
-mod hostile;
 mod plot;
-mod status;
-mod trainer;
-mod tui;
 
 use clap::{Parser, Subcommand};
+use node::{cmd_net, tui};
 
 #[derive(Parser)]
 #[command(
