@@ -21,6 +21,7 @@
 //!   newer one from peers as above.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -28,6 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::net::{
     self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
+    Transport,
 };
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -241,7 +243,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
     if let Some(run_file) = a.run {
-        return run(
+        return run_cli(
             RunArgs {
                 run: run_file,
                 key: a.key,
@@ -362,6 +364,8 @@ struct Node {
     reg: Arc<Mutex<libp2p::metrics::Registry>>,
     gauges: Gauges,
     status: Option<StatusSink<std::fs::File>>,
+    /// Every status line also goes here (`NodeConfig::observer`).
+    observer: Option<mpsc::UnboundedSender<StatusLine>>,
     losses: BTreeMap<u64, (f64, u64)>,
     update_bytes: u64,
     last_bw: (u64, u64),
@@ -579,42 +583,47 @@ impl Node {
                     });
                 }
             }
-            Action::Report(r) => match r {
-                Report::StepApplied {
-                    step,
-                    included,
-                    listed,
-                    missing,
-                } => {
-                    tracing::debug!(step, included, listed, missing, "step set decided")
+            Action::Report(r) => self.on_report(r),
+        }
+    }
+
+    /// What the engine reports: logged; a synced download is saved, arrivals are timed.
+    fn on_report(&mut self, r: Report) {
+        match r {
+            Report::StepApplied {
+                step,
+                included,
+                listed,
+                missing,
+            } => {
+                tracing::debug!(step, included, listed, missing, "step set decided")
+            }
+            Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
+            Report::Synced { version, digest } => {
+                tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
+                if self.unsaved_load.take() == Some(version) {
+                    self.save_checkpoint();
                 }
-                Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
-                Report::Synced { version, digest } => {
-                    tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
-                    if self.unsaved_load.take() == Some(version) {
-                        self.save_checkpoint();
-                    }
+            }
+            Report::CheckpointUnattested { version, digest } => {
+                if self.unsaved_load == Some(version) {
+                    self.unsaved_load = None;
                 }
-                Report::CheckpointUnattested { version, digest } => {
-                    if self.unsaved_load == Some(version) {
-                        self.unsaved_load = None;
-                    }
-                    tracing::warn!(
-                        version,
-                        digest = %&digest.to_hex()[..12],
-                        "the loaded checkpoint is not the one the swarm attests; not saved, asking again"
-                    )
+                tracing::warn!(
+                    version,
+                    digest = %&digest.to_hex()[..12],
+                    "the loaded checkpoint is not the one the swarm attests; not saved, asking again"
+                )
+            }
+            Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
+            Report::Verified { step, sender } => {
+                let a = self.arrivals.entry(step).or_default();
+                if a.len() < self.engine.run().limits.max_updates_per_step as usize {
+                    a.entry(sender.peer_id_string()).or_insert_with(now_ms);
                 }
-                Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
-                Report::Verified { step, sender } => {
-                    let a = self.arrivals.entry(step).or_default();
-                    if a.len() < self.engine.run().limits.max_updates_per_step as usize {
-                        a.entry(sender.peer_id_string()).or_insert_with(now_ms);
-                    }
-                    keep_recent(&mut self.arrivals);
-                }
-                other => tracing::info!("{other:?}"),
-            },
+                keep_recent(&mut self.arrivals);
+            }
+            other => tracing::info!("{other:?}"),
         }
     }
 
@@ -1290,6 +1299,9 @@ impl Node {
         if let Some(f) = &mut self.status {
             f.line(&serde_json::to_string(&line).expect("a status line serializes"));
         }
+        if let Some(o) = &self.observer {
+            let _ = o.send(line.clone());
+        }
         self.show(crate::tui::Update::Status(Box::new(line)));
     }
 
@@ -1367,68 +1379,249 @@ fn make_trainer(
     Ok(t)
 }
 
+/// Everything [`run`] needs, resolved: `swarm run`'s flags read and checked
+/// ([`NodeConfig::from_args`]), or a test's choice ([`NodeConfig::new`]).
+pub struct NodeConfig {
+    /// The run (every node of a run uses the same one).
+    pub run: RunConfig,
+    /// This node's identity.
+    pub id: Identity,
+    /// Bootstrap peers, as multiaddrs ending in /p2p/PEER_ID.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Listen addresses, of the transport `run` is given.
+    pub listen: Vec<Multiaddr>,
+    pub device: tch::Device,
+    /// libtorch CPU threads (a process-wide setting).
+    pub threads: Option<i32>,
+    /// The data file for runs that train on a file.
+    pub data: Option<String>,
+    pub checkpoint_dir: Option<PathBuf>,
+    /// A checkpoint every N applied steps (with `checkpoint_dir`).
+    pub checkpoint_every: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    pub metrics: Option<SocketAddr>,
+    /// `--status`: the file status lines are appended to.
+    pub status: Option<PathBuf>,
+    /// Every status line is also sent here (how in-process tests watch a node).
+    pub observer: Option<mpsc::UnboundedSender<StatusLine>>,
+    /// Leave after applying this many steps (after lingering two periods to serve peers).
+    pub steps: Option<u64>,
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    pub adversary: Option<Adversary>,
+    pub mesh: usize,
+    pub role: Role,
+    pub addr_file: Option<PathBuf>,
+    /// `--tui`: where tracing writes while the view draws; the view runs when set.
+    pub tui: Option<crate::tui::LogRing>,
+}
+
+impl NodeConfig {
+    /// A trainer of `run` with identity `id`: no addresses, CPU, the run's batch, no held-out
+    /// evaluation, no status file, checkpoint directory, metrics or view, and no last step.
+    pub fn new(run: RunConfig, id: Identity) -> NodeConfig {
+        NodeConfig {
+            batch: run.batch_seqs as usize,
+            run,
+            id,
+            bootstrap: Vec::new(),
+            listen: Vec::new(),
+            device: tch::Device::Cpu,
+            threads: None,
+            data: None,
+            checkpoint_dir: None,
+            checkpoint_every: 1,
+            metrics: None,
+            status: None,
+            observer: None,
+            steps: None,
+            eval_every: 0,
+            eval_batches: 1,
+            adversary: None,
+            mesh: crate::net::DEFAULT_MESH,
+            role: Role::Trainer,
+            addr_file: None,
+            tui: None,
+        }
+    }
+
+    /// `swarm run`'s flags: the run file and key read, the device parsed. `log`: where tracing
+    /// writes while `--tui` draws (main sets it up; `None` without a view).
+    pub fn from_args(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<NodeConfig> {
+        let run = load_run(&a.run, a.genesis_ms)?;
+        let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
+        let device = train::parse_device(&a.device)?;
+        let batch = a.batch.unwrap_or(run.batch_seqs as usize).max(1);
+        Ok(NodeConfig {
+            run,
+            id,
+            bootstrap: a.bootstrap,
+            listen: a.listen,
+            device,
+            threads: a.threads,
+            data: a.data,
+            checkpoint_dir: a.checkpoint_dir,
+            checkpoint_every: a.checkpoint_every,
+            metrics: a.metrics,
+            status: a.status,
+            observer: None,
+            steps: a.steps,
+            eval_every: a.eval_every,
+            eval_batches: a.eval_batches,
+            batch,
+            adversary: a.adversary,
+            mesh: a.mesh,
+            role: a.role,
+            addr_file: a.addr_file,
+            tui: log,
+        })
+    }
+}
+
+/// `swarm run` (and `swarm bootstrap --run`): [`run`] on TCP and QUIC until SIGINT or SIGTERM.
 /// `log`: where tracing writes while `--tui` draws (main sets it up; `None` without a view).
-pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
-    let run = load_run(&a.run, a.genesis_ms)?;
-    let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
-    let device = train::parse_device(&a.device)?;
-    if let Some(t) = a.threads {
-        tch::set_num_threads(t);
-    }
-    let spec = trainer::data_spec(&run, a.data.as_deref())?;
-    let corpus = train::data::Corpus::open(&spec)?;
-    if corpus.vocab() as u32 > run.model.vocab {
-        bail!(
-            "data vocabulary {} exceeds the model's {}",
-            corpus.vocab(),
-            run.model.vocab
-        );
-    }
-    let batch = a.batch.unwrap_or(run.batch_seqs as usize).max(1);
-    let me = id.node_id();
+pub fn run_cli(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
+    let cfg = NodeConfig::from_args(a, log)?;
+    runtime()?.block_on(run(cfg, Transport::Network, shutdown()))
+}
+
+/// One node: the trainer thread, the engine and the libp2p swarm on `transport`, until the
+/// node has applied its last step (`cfg.steps`), `shutdown` completes, the view is quit or
+/// something fails. Returns once the trainer thread has stopped (after the command it was
+/// running), so the same checkpoint directory can be used again at once.
+pub async fn run(
+    cfg: NodeConfig,
+    transport: Transport,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let (cmd_tx, mut rep_rx, thread) = start_trainer(&cfg).await?;
+    let result = drive(cfg, transport, shutdown, cmd_tx, &mut rep_rx).await;
+    drop(rep_rx);
+    let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    result
+}
+
+/// The trainer, on its own thread: the data, the model (resumed from the checkpoint
+/// directory), and its command and reply queues. The blocking work runs off the async threads.
+async fn start_trainer(
+    cfg: &NodeConfig,
+) -> Result<(
+    mpsc::Sender<Cmd>,
+    mpsc::Receiver<Reply>,
+    std::thread::JoinHandle<()>,
+)> {
+    let (run, data, me) = (cfg.run.clone(), cfg.data.clone(), cfg.id.node_id());
+    let (batch, device, dir) = (cfg.batch, cfg.device, cfg.checkpoint_dir.clone());
+    let (threads, every, batches) = (cfg.threads, cfg.eval_every, cfg.eval_batches);
+    let trainer = tokio::task::spawn_blocking(move || -> Result<Trainer> {
+        if let Some(t) = threads {
+            tch::set_num_threads(t);
+        }
+        let spec = trainer::data_spec(&run, data.as_deref())?;
+        let corpus = train::data::Corpus::open(&spec)?;
+        if corpus.vocab() as u32 > run.model.vocab {
+            bail!(
+                "data vocabulary {} exceeds the model's {}",
+                corpus.vocab(),
+                run.model.vocab
+            );
+        }
+        Ok(
+            make_trainer(&run, corpus, &me, batch, device, dir.as_deref())?
+                .with_eval(every, batches),
+        )
+    })
+    .await??;
     let (cmd_tx, cmd_rx) = mpsc::channel::<Cmd>(TRAINER_QUEUE);
-    let (rep_tx, mut rep_rx) = mpsc::channel::<Reply>(TRAINER_QUEUE);
-    let trainer = make_trainer(
-        &run,
-        corpus,
-        &me,
-        batch,
-        device,
-        a.checkpoint_dir.as_deref(),
-    )?
-    .with_eval(a.eval_every, a.eval_batches);
-    std::thread::Builder::new()
+    let (rep_tx, rep_rx) = mpsc::channel::<Reply>(TRAINER_QUEUE);
+    let thread = std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || trainer.serve(cmd_rx, rep_tx))?;
+    Ok((cmd_tx, rep_rx, thread))
+}
 
-    runtime()?.block_on(async move {
-        let (genesis, params, resumed) = match rep_rx.recv().await {
-            Some(Reply::Ready {
-                digest,
-                params,
-                version,
-            }) => {
-                tracing::info!(params, version, digest = %Digest(digest).to_hex(), "model ready");
-                (Digest(digest), params, version)
+/// What the trainer holds when the loop starts.
+struct Started {
+    /// The parameters' digest (the genesis when `resumed` is 0).
+    digest: Digest,
+    params: i64,
+    /// The version resumed from the checkpoint directory (0: none).
+    resumed: u64,
+    /// The first snapshot: the model's layout (for checking manifests), and the version served
+    /// from the start.
+    first: Arc<Snapshot>,
+}
+
+async fn trainer_ready(
+    cmd_tx: &mpsc::Sender<Cmd>,
+    rep_rx: &mut mpsc::Receiver<Reply>,
+) -> Result<Started> {
+    let (digest, params, resumed) = match rep_rx.recv().await {
+        Some(Reply::Ready {
+            digest,
+            params,
+            version,
+        }) => {
+            tracing::info!(params, version, digest = %Digest(digest).to_hex(), "model ready");
+            (Digest(digest), params, version)
+        }
+        Some(Reply::Failed(e)) => bail!("trainer: {e}"),
+        _ => bail!("trainer exited"),
+    };
+    cmd_tx
+        .send(Cmd::Snapshot)
+        .await
+        .map_err(|_| anyhow::anyhow!("trainer exited"))?;
+    let first = match rep_rx.recv().await {
+        Some(Reply::Snapshot(s)) => s,
+        Some(Reply::Failed(e)) => bail!("trainer: {e}"),
+        _ => bail!("trainer exited"),
+    };
+    Ok(Started {
+        digest,
+        params,
+        resumed,
+        first,
+    })
+}
+
+/// Everything after the trainer is up: the swarm, the engine, the node, its loop.
+async fn drive(
+    cfg: NodeConfig,
+    transport: Transport,
+    shutdown: impl Future<Output = ()>,
+    cmd_tx: mpsc::Sender<Cmd>,
+    rep_rx: &mut mpsc::Receiver<Reply>,
+) -> Result<()> {
+    let started = trainer_ready(&cmd_tx, rep_rx).await?;
+    let mut reg = libp2p::metrics::Registry::default();
+    let mut ncfg = NetConfig::for_run(&cfg.run);
+    ncfg.mesh = cfg.mesh;
+    let swarm = net::build_swarm_on(transport, net::keypair(&cfg.id), &ncfg, &mut reg)?;
+    let gauges = Gauges::register(&mut reg);
+    let reg = Arc::new(Mutex::new(reg));
+    let engine = new_engine(&cfg, &started);
+    let mut node = Node::new(&cfg, engine, swarm, cmd_tx, reg.clone(), gauges, &started)?;
+    node.start(&cfg, started)?;
+    if let Some(addr) = cfg.metrics {
+        tokio::spawn(async move {
+            if let Err(e) = serve_metrics(addr, reg).await {
+                tracing::warn!("metrics server: {e:#}");
             }
-            Some(Reply::Failed(e)) => bail!("trainer: {e}"),
-            _ => bail!("trainer exited"),
-        };
-        // The first snapshot gives the model's layout (for checking manifests) and serves
-        // the version we start from.
-        cmd_tx
-            .send(Cmd::Snapshot)
-            .await
-            .map_err(|_| anyhow::anyhow!("trainer exited"))?;
-        let first = match rep_rx.recv().await {
-            Some(Reply::Snapshot(s)) => s,
-            Some(Reply::Failed(e)) => bail!("trainer: {e}"),
-            _ => bail!("trainer exited"),
-        };
-        let mut reg = libp2p::metrics::Registry::default();
-        let mut ncfg = NetConfig::for_run(&run);
-        ncfg.mesh = a.mesh;
-        let swarm = net::build_swarm(net::keypair(&id), &ncfg, &mut reg)?;
+        });
+    }
+    // `--tui`: the view runs on its own thread until `_view` drops (any return below).
+    let quit = Arc::new(tokio::sync::Notify::new());
+    let _view = node.start_view(&cfg, quit.clone())?;
+    node.event_loop(rep_rx, shutdown, &quit, !cfg.bootstrap.is_empty())
+        .await
+}
+
+impl Gauges {
+    /// The node's gauges, registered in `reg` (what `--metrics` serves).
+    fn register(reg: &mut libp2p::metrics::Registry) -> Gauges {
         let gauges = Gauges {
             step: Gauge::default(),
             peers: Gauge::default(),
@@ -1463,22 +1656,40 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             gauges.rejected.clone(),
         );
         reg.register("swarm_fetches", "Blob fetches", gauges.fetches.clone());
-        let reg = Arc::new(Mutex::new(reg));
-        let now = now_ms();
-        let rng_seed = u64::from_le_bytes(me.0[8..16].try_into().expect("8 bytes")) ^ now;
-        // Only version 0 is the genesis; a resumed checkpoint is offered to the engine below.
-        let engine = Engine::new(
-            run.clone(),
-            Identity::from_seed(id.seed()),
-            (resumed == 0).then_some(genesis),
-            now,
-            rng_seed,
-        );
-        if !engine.status().synced {
-            tracing::warn!("started after step 0 was applied: joining (needs a checkpoint)");
-        }
-        let topic = IdentTopic::new(run.topic());
-        let status = match &a.status {
+        gauges
+    }
+}
+
+/// The engine, from the genesis or (a resumed checkpoint) joining: only version 0 is the
+/// genesis; a resumed checkpoint is offered to the engine by [`Node::start`].
+fn new_engine(cfg: &NodeConfig, started: &Started) -> Engine {
+    let now = now_ms();
+    let me = cfg.id.node_id();
+    let rng_seed = u64::from_le_bytes(me.0[8..16].try_into().expect("8 bytes")) ^ now;
+    let engine = Engine::new(
+        cfg.run.clone(),
+        Identity::from_seed(cfg.id.seed()),
+        (started.resumed == 0).then_some(started.digest),
+        now,
+        rng_seed,
+    );
+    if !engine.status().synced {
+        tracing::warn!("started after step 0 was applied: joining (needs a checkpoint)");
+    }
+    engine
+}
+
+impl Node {
+    fn new(
+        cfg: &NodeConfig,
+        engine: Engine,
+        swarm: Swarm<Behaviour>,
+        trainer: mpsc::Sender<Cmd>,
+        reg: Arc<Mutex<libp2p::metrics::Registry>>,
+        gauges: Gauges,
+        started: &Started,
+    ) -> Result<Node> {
+        let status = match &cfg.status {
             Some(p) => Some(StatusSink::new(
                 std::fs::OpenOptions::new()
                     .create(true)
@@ -1488,42 +1699,43 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             )),
             None => None,
         };
-        if let Some(adv) = a.adversary {
+        if let Some(adv) = cfg.adversary {
             tracing::warn!(
                 ?adv,
                 "running as a HOSTILE peer (--adversary): for tests only"
             );
         }
-        let mut node = Node {
+        Ok(Node {
             engine,
             swarm,
-            topic: topic.clone(),
+            topic: IdentTopic::new(cfg.run.topic()),
             tags: BTreeMap::new(),
             next_tag: 0,
             fetches: HashMap::new(),
-            trainer: cmd_tx,
+            trainer,
             backlog: VecDeque::new(),
             members: BTreeMap::new(),
             // Per peer: a few fetches per step per update is plenty; bursts cover a repair.
-            rate: RateLimit::new(50.0, 200.0, run.limits.max_peers as usize),
-            reg: reg.clone(),
+            rate: RateLimit::new(50.0, 200.0, cfg.run.limits.max_peers as usize),
+            reg,
             gauges,
             status,
+            observer: cfg.observer.clone(),
             losses: BTreeMap::new(),
             update_bytes: 0,
             last_bw: (0, 0),
-            steps: a.steps,
+            steps: cfg.steps,
             done_at: None,
-            ckpt_dir: a.checkpoint_dir.clone(),
+            ckpt_dir: cfg.checkpoint_dir.clone(),
             unsaved_load: None,
-            ckpt_every: a.checkpoint_every,
-            hostile: a.adversary.map(Hostile::new),
+            ckpt_every: cfg.checkpoint_every,
+            hostile: cfg.adversary.map(Hostile::new),
             forged: VecDeque::new(),
-            name: me.peer_id_string(),
-            id,
+            name: cfg.id.node_id().peer_id_string(),
+            id: Identity::from_seed(cfg.id.seed()),
             snapshots: VecDeque::new(),
             layout: Vec::new(),
-            params,
+            params: started.params,
             snapshot_until: 0,
             download: None,
             ckpt_requests: HashMap::new(),
@@ -1534,124 +1746,149 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             banned: HashSet::new(),
             ckpt_liars: HashSet::new(),
             tokens: BTreeMap::new(),
-            role: a.role,
-            addr_file: a.addr_file.clone(),
+            role: cfg.role,
+            addr_file: cfg.addr_file.clone(),
             listen_addrs: Vec::new(),
             published: BTreeMap::new(),
             arrivals: BTreeMap::new(),
             penalties: 0,
             bans: 0,
             tui: None,
-        };
-        if a.role != Role::Trainer {
-            node.engine.set_listen(Vec::new(), a.role.capabilities());
-            tracing::info!(role = ?a.role, "following the run without training");
+        })
+    }
+
+    /// Into the run: the role, the first snapshot served, a resumed checkpoint offered, the
+    /// topic joined, listening, and the bootstrap peers dialed.
+    fn start(&mut self, cfg: &NodeConfig, started: Started) -> Result<()> {
+        if cfg.role != Role::Trainer {
+            self.engine.set_listen(Vec::new(), cfg.role.capabilities());
+            tracing::info!(role = ?cfg.role, "following the run without training");
         }
-        node.add_snapshot(first);
-        if resumed > 0 && now < node.engine.run().timing.publish_deadline(resumed) {
+        self.add_snapshot(started.first);
+        let resumed = started.resumed;
+        if resumed > 0 && now_ms() < self.engine.run().timing.publish_deadline(resumed) {
             // Restarted within the step after the one saved: the swarm will attest exactly
             // this version, so no download is needed. Later, the engine asks peers for a
             // newer one instead (the summaries to catch up from this one were never heard).
-            node.feed(Event::CheckpointLoaded {
+            self.feed(Event::CheckpointLoaded {
                 version: resumed,
-                digest: genesis,
+                digest: started.digest,
             });
         }
         // First hops are only the bootstrap peers the operator chose (any peer can claim the
         // relay capability; SECURITY.md).
-        node.engine.set_trusted_relays(
-            a.bootstrap
+        self.engine.set_trusted_relays(
+            cfg.bootstrap
                 .iter()
                 .filter_map(split_p2p)
                 .filter_map(|(p, _)| net::node_id(&p)),
         );
-        node.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
-        for l in &a.listen {
-            node.swarm.listen_on(l.clone())?;
+        let topic = self.topic.clone();
+        self.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
+        for l in &cfg.listen {
+            self.swarm.listen_on(l.clone())?;
         }
-        for b in &a.bootstrap {
+        for b in &cfg.bootstrap {
             match split_p2p(b) {
                 Some((p, addr)) => {
-                    node.swarm.behaviour_mut().kad.add_address(&p, addr);
+                    self.swarm.behaviour_mut().kad.add_address(&p, addr);
                 }
                 None => {
                     tracing::warn!("bootstrap address {b} has no /p2p/PEER_ID; dialing it anyway")
                 }
             }
-            node.swarm.dial(b.clone())?;
+            self.swarm.dial(b.clone())?;
         }
-        if let Some(addr) = a.metrics {
-            let reg = reg.clone();
-            tokio::spawn(async move {
-                if let Err(e) = serve_metrics(addr, reg).await {
-                    tracing::warn!("metrics server: {e:#}");
-                }
-            });
-        }
-        // `--tui`: the view runs on its own thread until `_view` drops (any return below).
-        let quit = Arc::new(tokio::sync::Notify::new());
-        let _view = match log {
-            Some(log) => {
-                let view = crate::tui::View::new(
-                    node.name.clone(),
-                    run.name.clone(),
-                    run.timing.genesis_ms,
-                    run.timing.period_ms,
-                    log,
-                );
-                let q = quit.clone();
-                let t = crate::tui::Tui::start(view, move || q.notify_one())
-                    .context("--tui: taking over the terminal")?;
-                node.tui = Some(t.feed.clone());
-                Some(t)
-            }
-            None => None,
+        Ok(())
+    }
+
+    /// `--tui`: the live view on its own thread (until the returned handle drops); `quit` is
+    /// notified when the person leaves it.
+    fn start_view(
+        &mut self,
+        cfg: &NodeConfig,
+        quit: Arc<tokio::sync::Notify>,
+    ) -> Result<Option<crate::tui::Tui>> {
+        let Some(log) = cfg.tui.clone() else {
+            return Ok(None);
         };
-        node.feed(Event::Timer);
+        let t = &cfg.run.timing;
+        let view = crate::tui::View::new(
+            self.name.clone(),
+            cfg.run.name.clone(),
+            t.genesis_ms,
+            t.period_ms,
+            log,
+        );
+        let t = crate::tui::Tui::start(view, move || quit.notify_one())
+            .context("--tui: taking over the terminal")?;
+        self.tui = Some(t.feed.clone());
+        Ok(Some(t))
+    }
+
+    /// The loop: swarm events, trainer replies, the engine's timer, a periodic tick and
+    /// discovery, until the last step is done, `shutdown` completes or the view is quit.
+    async fn event_loop(
+        &mut self,
+        rep_rx: &mut mpsc::Receiver<Reply>,
+        shutdown: impl Future<Output = ()>,
+        quit: &tokio::sync::Notify,
+        has_bootstrap: bool,
+    ) -> Result<()> {
+        tokio::pin!(shutdown);
+        self.feed(Event::Timer);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut discover = tokio::time::interval(Duration::from_secs(5));
         let mut last_discover = 0u64;
         loop {
             // The engine's one timer, re-armed every turn to what it asks for now.
-            let timer = node.engine.poll_timeout();
+            let timer = self.engine.poll_timeout();
             let wait = timer.map_or(Duration::from_secs(3600), |t| {
                 Duration::from_millis(t.saturating_sub(now_ms()))
             });
             tokio::select! {
-                ev = node.swarm.select_next_some() => node.on_swarm(ev),
+                ev = self.swarm.select_next_some() => self.on_swarm(ev),
                 r = rep_rx.recv() => match r {
-                    Some(r) => node.on_trainer(r)?,
+                    Some(r) => self.on_trainer(r)?,
                     None => bail!("trainer thread exited"),
                 },
-                _ = tokio::time::sleep(wait), if timer.is_some() => node.feed(Event::Timer),
+                _ = tokio::time::sleep(wait), if timer.is_some() => self.feed(Event::Timer),
                 _ = tick.tick() => {
-                    // Timer events are idempotent: a periodic one is a safety net beside the
-                    // engine's own deadline (`poll_timeout`).
-                    node.feed(Event::Timer);
-                    node.tick_checkpoints();
-                    node.flush_trainer();
-                    if node.done_at.is_some_and(|d| now_ms() >= d) {
-                        tracing::info!("reached {} steps; leaving", node.steps.unwrap_or(0));
+                    if self.on_tick() {
+                        tracing::info!("reached {} steps; leaving", self.steps.unwrap_or(0));
                         return Ok(());
                     }
                 }
-                _ = discover.tick() => {
-                    // A kademlia bootstrap is a burst of queries to every known peer: often
-                    // while this node knows few peers of the run, then once a minute (at every
-                    // 5 s it was most of a node's upload per step once updates went to a relay).
-                    let few = node.members.len() < DISCOVER_ENOUGH_PEERS;
-                    let since = now_ms().saturating_sub(last_discover);
-                    if !a.bootstrap.is_empty() && (few || since >= 60_000) {
-                        last_discover = now_ms();
-                        let _ = node.swarm.behaviour_mut().kad.bootstrap();
-                    }
-                    node.show(crate::tui::Update::Peers(node.members.len()));
-                }
+                _ = discover.tick() => self.on_discover(&mut last_discover, has_bootstrap),
                 _ = quit.notified() => return Ok(()),
-                _ = shutdown() => return Ok(()),
+                _ = &mut shutdown => return Ok(()),
             }
         }
-    })
+    }
+
+    /// The loop's periodic tick; true when the node is done (its last step applied and
+    /// served for a while).
+    fn on_tick(&mut self) -> bool {
+        // Timer events are idempotent: a periodic one is a safety net beside the engine's own
+        // deadline (`poll_timeout`).
+        self.feed(Event::Timer);
+        self.tick_checkpoints();
+        self.flush_trainer();
+        self.done_at.is_some_and(|d| now_ms() >= d)
+    }
+
+    /// A kademlia bootstrap is a burst of queries to every known peer: often while this node
+    /// knows few peers of the run, then once a minute (at every 5 s it was most of a node's
+    /// upload per step once updates went to a relay).
+    fn on_discover(&mut self, last_discover: &mut u64, has_bootstrap: bool) {
+        let few = self.members.len() < DISCOVER_ENOUGH_PEERS;
+        let since = now_ms().saturating_sub(*last_discover);
+        if has_bootstrap && (few || since >= 60_000) {
+            *last_discover = now_ms();
+            let _ = self.swarm.behaviour_mut().kad.bootstrap();
+        }
+        self.show(crate::tui::Update::Peers(self.members.len()));
+    }
 }
 
 #[cfg(test)]

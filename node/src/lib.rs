@@ -9,3 +9,6 @@ pub mod net;
 pub mod status;
 pub mod trainer;
 pub mod tui;
+
+pub use cmd_net::{run, NodeConfig, Role};
+pub use net::Transport;

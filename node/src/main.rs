@@ -133,7 +133,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", id.node_id().peer_id_string());
             Ok(())
         }
-        Cmd::Run(a) => cmd_net::run(*a, tui_log),
+        Cmd::Run(a) => cmd_net::run_cli(*a, tui_log),
         Cmd::Bootstrap(a) => cmd_net::bootstrap(a),
         Cmd::Demo(a) => cmd_demo::run(a),
         Cmd::Export(a) => cmd_model::export(a),
