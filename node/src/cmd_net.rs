@@ -352,23 +352,13 @@ const MAX_CKPT_REQUESTS: usize = 64;
 struct Node {
     engine: Engine,
     swarm: Swarm<Behaviour>,
-    topic: IdentTopic,
-    tags: BTreeMap<u64, (MessageId, PeerId)>,
-    next_tag: u64,
+    gossip: Gossip,
     fetches: HashMap<request_response::OutboundRequestId, (NodeId, ContentId)>,
-    trainer: mpsc::Sender<Cmd>,
-    /// Commands the trainer queue had no room for yet (Applies must never be dropped).
-    backlog: VecDeque<Cmd>,
+    trainer: TrainerQueue,
     members: BTreeMap<PeerId, NodeId>,
     rate: RateLimit,
-    reg: Arc<Mutex<libp2p::metrics::Registry>>,
-    gauges: Gauges,
-    status: Option<StatusSink<std::fs::File>>,
-    /// Every status line also goes here (`NodeConfig::observer`).
-    observer: Option<mpsc::UnboundedSender<StatusLine>>,
-    losses: BTreeMap<u64, (f64, u64)>,
-    update_bytes: u64,
-    last_bw: (u64, u64),
+    report: Reporting,
+    per_step: PerStep,
     steps: Option<u64>,
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
@@ -379,7 +369,6 @@ struct Node {
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
     forged: VecDeque<(ContentId, Vec<u8>)>,
-    name: String,
     /// Signs served manifests (the engine holds its own copy of the identity).
     id: Identity,
     /// Served versions, oldest first: the snapshot and its encoded `Message::Manifest`.
@@ -403,21 +392,100 @@ struct Node {
     /// Not cut off: their updates and summaries still count wherever the others count them
     /// (bans are local; a node that alone dropped them would apply other sets than its peers).
     ckpt_liars: HashSet<NodeId>,
-    /// Per step: (own tokens, tokens of the applied set).
-    tokens: BTreeMap<u64, (u64, u64)>,
     role: Role,
     addr_file: Option<PathBuf>,
     listen_addrs: Vec<String>,
-    /// Per step: when this node handed its update to the engine (unix ms).
-    published: BTreeMap<u64, u64>,
-    /// Per step: when each peer's update checked out here (sender → unix ms), for the
-    /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
-    arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
+}
+
+/// The run's gossip topic, and the messages awaiting the engine's verdict (tag → gossipsub
+/// message id and source).
+struct Gossip {
+    topic: IdentTopic,
+    tags: BTreeMap<u64, (MessageId, PeerId)>,
+    next_tag: u64,
+}
+
+impl Gossip {
+    /// A tag for a message awaiting its verdict; beyond [`MAX_TAGS`] the oldest is forgotten.
+    fn tag(&mut self, id: MessageId, source: PeerId) -> u64 {
+        self.next_tag += 1;
+        if self.tags.len() >= MAX_TAGS {
+            self.tags.pop_first();
+        }
+        self.tags.insert(self.next_tag, (id, source));
+        self.next_tag
+    }
+}
+
+/// The trainer's command queue, and the commands it had no room for yet (Applies must never
+/// be dropped).
+struct TrainerQueue {
+    tx: mpsc::Sender<Cmd>,
+    backlog: VecDeque<Cmd>,
+}
+
+impl TrainerQueue {
+    fn send(&mut self, c: Cmd) {
+        self.backlog.push_back(c);
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        while let Some(c) = self.backlog.pop_front() {
+            match self.tx.try_send(c) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(c)) => {
+                    self.backlog.push_front(c);
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
+            }
+        }
+    }
+}
+
+/// Where a node reports: `--status` lines (and `NodeConfig::observer`), the `--metrics`
+/// gauges, the `--tui` view.
+struct Reporting {
+    /// This node's peer id, as its status lines name it.
+    name: String,
+    reg: Arc<Mutex<libp2p::metrics::Registry>>,
+    gauges: Gauges,
+    status: Option<StatusSink<std::fs::File>>,
+    /// Every status line also goes here.
+    observer: Option<mpsc::UnboundedSender<StatusLine>>,
+    /// The bandwidth counters at the last status line.
+    last_bw: (u64, u64),
     /// Penalties and bans handed out (the status line's counters).
     penalties: u64,
     bans: u64,
     /// `--tui`: the live view's feed (bounded; a full queue drops the frame, never blocks).
     tui: Option<crate::tui::Feed>,
+}
+
+impl Reporting {
+    /// Tell the live view (`--tui`), if there is one; never waits.
+    fn show(&self, u: crate::tui::Update) {
+        if let Some(t) = &self.tui {
+            t.send(u);
+        }
+    }
+}
+
+/// Per-step bookkeeping for the status lines, the newest [`KEEP_STEPS`] steps.
+#[derive(Default)]
+struct PerStep {
+    /// Per step: the local batch's loss and the training time (ms).
+    losses: BTreeMap<u64, (f64, u64)>,
+    /// Size of this node's last update.
+    update_bytes: u64,
+    /// Per step: (own tokens, tokens of the applied set).
+    tokens: BTreeMap<u64, (u64, u64)>,
+    /// Per step: when this node handed its update to the engine (unix ms).
+    published: BTreeMap<u64, u64>,
+    /// Per step: when each peer's update checked out here (sender → unix ms), for the
+    /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
+    arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
 }
 
 /// Run peers from which on discovery slows down: twice gossipsub's `mesh_n_low`; gossip and
@@ -456,21 +524,11 @@ impl Node {
     }
 
     fn to_trainer(&mut self, c: Cmd) {
-        self.backlog.push_back(c);
-        self.flush_trainer();
+        self.trainer.send(c);
     }
 
     fn flush_trainer(&mut self) {
-        while let Some(c) = self.backlog.pop_front() {
-            match self.trainer.try_send(c) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(c)) => {
-                    self.backlog.push_front(c);
-                    return;
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => return,
-            }
-        }
+        self.trainer.flush();
     }
 
     fn act(&mut self, a: Action) {
@@ -480,7 +538,7 @@ impl Node {
                     .swarm
                     .behaviour_mut()
                     .gossipsub
-                    .publish(self.topic.clone(), bytes)
+                    .publish(self.gossip.topic.clone(), bytes)
                 {
                     tracing::debug!("publish: {e}");
                 }
@@ -492,7 +550,7 @@ impl Node {
                     .send_request(&net::peer_id(&peer), Request::Frame(bytes));
             }
             Action::Verdict { tag, verdict } => {
-                if let Some((id, src)) = self.tags.remove(&tag) {
+                if let Some((id, src)) = self.gossip.tags.remove(&tag) {
                     let v = match verdict {
                         Verdict::Accept => MessageAcceptance::Accept,
                         Verdict::Reject => MessageAcceptance::Reject,
@@ -537,12 +595,12 @@ impl Node {
                     h.on_applied(self.engine.run(), &self.engine.node_id(), &updates);
                 }
                 let t: u64 = updates.iter().map(|u| u.tokens).sum();
-                self.tokens.entry(step).or_default().1 = t;
+                self.per_step.tokens.entry(step).or_default().1 = t;
                 self.to_trainer(Cmd::Apply { step, updates })
             }
             Action::Penalize { peer, reason, .. } => {
                 tracing::info!(%peer, %reason, "penalized");
-                self.penalties += 1;
+                self.report.penalties += 1;
                 self.show(crate::tui::Update::Offence {
                     peer: peer.peer_id_string(),
                     reason: reason.to_string(),
@@ -556,7 +614,7 @@ impl Node {
             }
             Action::Ban { peer, reason } => {
                 tracing::warn!(%peer, %reason, "banned");
-                self.bans += 1;
+                self.report.bans += 1;
                 self.show(crate::tui::Update::Offence {
                     peer: peer.peer_id_string(),
                     reason: reason.to_string(),
@@ -573,7 +631,7 @@ impl Node {
             } => {
                 // Checks are advisory and cost two forward passes each: under a backlog (a
                 // slow machine) skip them rather than fall behind the step clock.
-                if self.backlog.len() < MAX_SPOT_BACKLOG {
+                if self.trainer.backlog.len() < MAX_SPOT_BACKLOG {
                     self.to_trainer(Cmd::SpotCheck {
                         step,
                         sender,
@@ -617,11 +675,11 @@ impl Node {
             }
             Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
             Report::Verified { step, sender } => {
-                let a = self.arrivals.entry(step).or_default();
+                let a = self.per_step.arrivals.entry(step).or_default();
                 if a.len() < self.engine.run().limits.max_updates_per_step as usize {
                     a.entry(sender.peer_id_string()).or_insert_with(now_ms);
                 }
-                keep_recent(&mut self.arrivals);
+                keep_recent(&mut self.per_step.arrivals);
             }
             other => tracing::info!("{other:?}"),
         }
@@ -673,19 +731,16 @@ impl Node {
                             );
                         return;
                     };
-                    self.next_tag += 1;
-                    let tag = self.next_tag;
-                    if self.tags.len() >= MAX_TAGS {
-                        self.tags.pop_first();
-                    }
-                    self.tags.insert(tag, (message_id, propagation_source));
+                    let tag = self.gossip.tag(message_id, propagation_source);
                     self.feed(Event::Message {
                         from,
                         tag: Some(tag),
                         bytes: message.data,
                     });
                 }
-                gossipsub::Event::Subscribed { peer_id, topic } if topic == self.topic.hash() => {
+                gossipsub::Event::Subscribed { peer_id, topic }
+                    if topic == self.gossip.topic.hash() =>
+                {
                     if let Some(n) = net::node_id(&peer_id) {
                         if self.members.insert(peer_id, n).is_none() {
                             self.feed(Event::PeerConnected { peer: n });
@@ -829,14 +884,14 @@ impl Node {
                 loss,
                 ms,
             } => {
-                self.update_bytes = blob.len() as u64;
-                self.losses.insert(step, (loss, ms));
-                keep_recent(&mut self.losses);
-                self.gauges.loss.set(loss);
-                self.tokens.entry(step).or_default().0 = tokens;
-                keep_recent(&mut self.tokens);
-                self.published.insert(step, now_ms());
-                keep_recent(&mut self.published);
+                self.per_step.update_bytes = blob.len() as u64;
+                self.per_step.losses.insert(step, (loss, ms));
+                keep_recent(&mut self.per_step.losses);
+                self.report.gauges.loss.set(loss);
+                self.per_step.tokens.entry(step).or_default().0 = tokens;
+                keep_recent(&mut self.per_step.tokens);
+                self.per_step.published.insert(step, now_ms());
+                keep_recent(&mut self.per_step.published);
                 if self.hostile.is_some() {
                     self.act_hostile(step, blob, tokens);
                 } else {
@@ -866,7 +921,7 @@ impl Node {
                     digest: Digest(digest),
                 });
                 if let Some(e) = eval {
-                    self.gauges.eval.set(e);
+                    self.report.gauges.eval.set(e);
                 }
                 self.write_status(step, Digest(digest), ms, included, eval);
                 if last && self.done_at.is_none() {
@@ -914,7 +969,7 @@ impl Node {
                     "hostile: gossiping forged frames"
                 );
                 for f in gossip {
-                    let t = self.topic.clone();
+                    let t = self.gossip.topic.clone();
                     if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(t, f) {
                         tracing::debug!("hostile publish: {e}");
                     }
@@ -1245,31 +1300,32 @@ impl Node {
         included: usize,
         eval_loss: Option<f64>,
     ) {
-        let bw = net::bandwidth(&self.reg.lock().expect("registry lock"));
+        let bw = net::bandwidth(&self.report.reg.lock().expect("registry lock"));
         let (din, dout) = (
-            bw.0.saturating_sub(self.last_bw.0),
-            bw.1.saturating_sub(self.last_bw.1),
+            bw.0.saturating_sub(self.report.last_bw.0),
+            bw.1.saturating_sub(self.report.last_bw.1),
         );
-        self.last_bw = bw;
+        self.report.last_bw = bw;
         let m = self.engine.metrics().clone();
-        let (tokens, included_tokens) = self.tokens.get(&step).copied().unwrap_or((0, 0));
+        let (tokens, included_tokens) = self.per_step.tokens.get(&step).copied().unwrap_or((0, 0));
         let (loss, train_ms) = self
+            .per_step
             .losses
             .get(&step)
             .copied()
             .map_or((None, 0), |(l, t)| (Some(l), t));
-        self.gauges.step.set(step as i64 + 1);
-        self.gauges.peers.set(self.members.len() as i64);
-        self.gauges.rejected.set(m.rejected as i64);
-        self.gauges.fetches.set(m.fetches as i64);
+        self.report.gauges.step.set(step as i64 + 1);
+        self.report.gauges.peers.set(self.members.len() as i64);
+        self.report.gauges.rejected.set(m.rejected as i64);
+        self.report.gauges.fetches.set(m.fetches as i64);
         let line = StatusLine {
-            node: self.name.clone(),
+            node: self.report.name.clone(),
             step,
             version: step + 1,
             loss,
             peers: self.members.len(),
             included,
-            update_bytes: self.update_bytes,
+            update_bytes: self.per_step.update_bytes,
             bytes_out: dout,
             bytes_in: din,
             train_ms,
@@ -1280,11 +1336,16 @@ impl Node {
             fetches: m.fetches,
             tokens,
             included_tokens,
-            published_ms: self.published.get(&step).copied(),
-            arrivals: self.arrivals.get(&step).cloned().unwrap_or_default(),
+            published_ms: self.per_step.published.get(&step).copied(),
+            arrivals: self
+                .per_step
+                .arrivals
+                .get(&step)
+                .cloned()
+                .unwrap_or_default(),
             eval_loss,
-            penalties: self.penalties,
-            bans: self.bans,
+            penalties: self.report.penalties,
+            bans: self.report.bans,
         };
         tracing::info!(
             step,
@@ -1296,10 +1357,10 @@ impl Node {
             digest = &line.digest[..12],
             "applied"
         );
-        if let Some(f) = &mut self.status {
+        if let Some(f) = &mut self.report.status {
             f.line(&serde_json::to_string(&line).expect("a status line serializes"));
         }
-        if let Some(o) = &self.observer {
+        if let Some(o) = &self.report.observer {
             let _ = o.send(line.clone());
         }
         self.show(crate::tui::Update::Status(Box::new(line)));
@@ -1307,9 +1368,7 @@ impl Node {
 
     /// Tell the live view (`--tui`), if there is one; never waits.
     fn show(&self, u: crate::tui::Update) {
-        if let Some(t) = &self.tui {
-            t.send(u);
-        }
+        self.report.show(u);
     }
 }
 
@@ -1708,22 +1767,31 @@ impl Node {
         Ok(Node {
             engine,
             swarm,
-            topic: IdentTopic::new(cfg.run.topic()),
-            tags: BTreeMap::new(),
-            next_tag: 0,
+            gossip: Gossip {
+                topic: IdentTopic::new(cfg.run.topic()),
+                tags: BTreeMap::new(),
+                next_tag: 0,
+            },
             fetches: HashMap::new(),
-            trainer,
-            backlog: VecDeque::new(),
+            trainer: TrainerQueue {
+                tx: trainer,
+                backlog: VecDeque::new(),
+            },
             members: BTreeMap::new(),
             // Per peer: a few fetches per step per update is plenty; bursts cover a repair.
             rate: RateLimit::new(50.0, 200.0, cfg.run.limits.max_peers as usize),
-            reg,
-            gauges,
-            status,
-            observer: cfg.observer.clone(),
-            losses: BTreeMap::new(),
-            update_bytes: 0,
-            last_bw: (0, 0),
+            report: Reporting {
+                name: cfg.id.node_id().peer_id_string(),
+                reg,
+                gauges,
+                status,
+                observer: cfg.observer.clone(),
+                last_bw: (0, 0),
+                penalties: 0,
+                bans: 0,
+                tui: None,
+            },
+            per_step: PerStep::default(),
             steps: cfg.steps,
             done_at: None,
             ckpt_dir: cfg.checkpoint_dir.clone(),
@@ -1731,7 +1799,6 @@ impl Node {
             ckpt_every: cfg.checkpoint_every,
             hostile: cfg.adversary.map(Hostile::new),
             forged: VecDeque::new(),
-            name: cfg.id.node_id().peer_id_string(),
             id: Identity::from_seed(cfg.id.seed()),
             snapshots: VecDeque::new(),
             layout: Vec::new(),
@@ -1745,15 +1812,9 @@ impl Node {
             ckpt_asked: (0, Vec::new()),
             banned: HashSet::new(),
             ckpt_liars: HashSet::new(),
-            tokens: BTreeMap::new(),
             role: cfg.role,
             addr_file: cfg.addr_file.clone(),
             listen_addrs: Vec::new(),
-            published: BTreeMap::new(),
-            arrivals: BTreeMap::new(),
-            penalties: 0,
-            bans: 0,
-            tui: None,
         })
     }
 
@@ -1783,7 +1844,7 @@ impl Node {
                 .filter_map(split_p2p)
                 .filter_map(|(p, _)| net::node_id(&p)),
         );
-        let topic = self.topic.clone();
+        let topic = self.gossip.topic.clone();
         self.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
         for l in &cfg.listen {
             self.swarm.listen_on(l.clone())?;
@@ -1814,7 +1875,7 @@ impl Node {
         };
         let t = &cfg.run.timing;
         let view = crate::tui::View::new(
-            self.name.clone(),
+            self.report.name.clone(),
             cfg.run.name.clone(),
             t.genesis_ms,
             t.period_ms,
@@ -1822,7 +1883,7 @@ impl Node {
         );
         let t = crate::tui::Tui::start(view, move || quit.notify_one())
             .context("--tui: taking over the terminal")?;
-        self.tui = Some(t.feed.clone());
+        self.report.tui = Some(t.feed.clone());
         Ok(Some(t))
     }
 

@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crypto::Identity;
@@ -27,7 +26,7 @@ use protocol::run::RunConfig;
 use tokio::sync::{mpsc, oneshot};
 
 /// The tests share two cores: one swarm at a time.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
 
@@ -200,7 +199,7 @@ fn agree(a: &BTreeMap<u64, StatusLine>, b: &BTreeMap<u64, StatusLine>, who: &str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_node_and_a_late_joiner_sync_on_the_swarms_digest() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut l = Local::new(2000, 6000, |_| {});
     let ck = std::env::temp_dir().join(format!("swarm-inproc-churn-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&ck);
@@ -267,7 +266,7 @@ async fn a_restarted_node_and_a_late_joiner_sync_on_the_swarms_digest() {
 /// spot-check it, penalize it and leave its updates out, and agree after every step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sign_flipping_node_is_penalized_and_left_out() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut l = Local::new(2000, 6000, |t| {
         *t = t.replace("grad_clip = 1.0", "grad_clip = 1.0\ncombine = \"share\"");
         t.push_str("\n[defence]\nmajority = true\nspot_checks = 2\ncopy_overlap_permille = 900\npow_bits = 8\nprobation_steps = 4\n");
