@@ -19,8 +19,8 @@ use protocol::run::RunConfig;
 use serde::Serialize;
 use train::run::{Optimizer, StepRecord, TrainOptions, TrainReport};
 
-use crate::cmd_net::now_ms;
-use crate::status::{self, StatusLine};
+use node::cmd_net::now_ms;
+use node::status::{self, StatusLine};
 
 /// The demo's embedded run: local steps, which measured best of DeMo and local steps for `tiny`
 /// (docs/BENCHMARKS.md, "Local steps"). `--run node/runs/tiny-local.toml` runs DeMo.
@@ -217,7 +217,7 @@ pub fn run(mut a: DemoArgs) -> Result<()> {
     let ag = agreement(&by_step, killed, a.steps);
 
     // The final model, from one trainer's checkpoint, evaluated on held-out data.
-    let spec = crate::trainer::data_spec(&s.run, None)?;
+    let spec = node::trainer::data_spec(&s.run, None)?;
     let corpus = train::data::Corpus::open(&spec)?;
     let final_eval = final_eval(&a, &s, &c.names[0], &by_step, &ag.common, &corpus)?;
 

@@ -114,7 +114,7 @@ fn open_checkpoint(
     Option<protocol::run::RunConfig>,
 )> {
     let (tensors, meta) = train::hf::read_f32(path).with_context(|| path.display().to_string())?;
-    let run = run.map(|r| crate::cmd_net::load_run(r, None)).transpose()?;
+    let run = run.map(|r| node::cmd_net::load_run(r, None)).transpose()?;
     let cfg = match &run {
         Some(r) => r.model.clone(),
         None => train::hf::infer_config(&train::hf::shapes_of(&tensors), &meta)

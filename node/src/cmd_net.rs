@@ -21,11 +21,16 @@
 //!   newer one from peers as above.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::net::{
+    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
+    Transport,
+};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use crypto::{ContentId, Digest, Identity, NodeId};
@@ -34,9 +39,6 @@ use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
-use node::net::{
-    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
-};
 use prometheus_client::metrics::gauge::Gauge;
 use protocol::checkpoint::CheckpointChunk;
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
@@ -129,7 +131,7 @@ pub struct RunArgs {
     /// gossipsub mesh degree. With a relay among the --bootstrap peers (`swarm bootstrap
     /// --relay`) updates do not travel the mesh, only headers and summaries do, and 2 keeps
     /// this node's control traffic well below its update (see docs/BENCHMARKS.md).
-    #[arg(long, default_value_t = node::net::DEFAULT_MESH)]
+    #[arg(long, default_value_t = crate::net::DEFAULT_MESH)]
     pub mesh: usize,
     /// Set by `swarm bootstrap --run`: what this node does in the run.
     #[arg(skip)]
@@ -241,7 +243,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
     if let Some(run_file) = a.run {
-        return run(
+        return run_cli(
             RunArgs {
                 run: run_file,
                 key: a.key,
@@ -262,7 +264,7 @@ pub fn bootstrap(a: BootstrapArgs) -> Result<()> {
                 batch: None,
                 threads: Some(1),
                 adversary: None,
-                mesh: node::net::DEFAULT_MESH,
+                mesh: crate::net::DEFAULT_MESH,
                 role: if a.relay { Role::Relay } else { Role::Seed },
                 addr_file: a.addr_file,
             },
@@ -350,21 +352,13 @@ const MAX_CKPT_REQUESTS: usize = 64;
 struct Node {
     engine: Engine,
     swarm: Swarm<Behaviour>,
-    topic: IdentTopic,
-    tags: BTreeMap<u64, (MessageId, PeerId)>,
-    next_tag: u64,
+    gossip: Gossip,
     fetches: HashMap<request_response::OutboundRequestId, (NodeId, ContentId)>,
-    trainer: mpsc::Sender<Cmd>,
-    /// Commands the trainer queue had no room for yet (Applies must never be dropped).
-    backlog: VecDeque<Cmd>,
+    trainer: TrainerQueue,
     members: BTreeMap<PeerId, NodeId>,
     rate: RateLimit,
-    reg: Arc<Mutex<libp2p::metrics::Registry>>,
-    gauges: Gauges,
-    status: Option<StatusSink<std::fs::File>>,
-    losses: BTreeMap<u64, (f64, u64)>,
-    update_bytes: u64,
-    last_bw: (u64, u64),
+    report: Reporting,
+    per_step: PerStep,
     steps: Option<u64>,
     done_at: Option<u64>,
     ckpt_dir: Option<PathBuf>,
@@ -375,7 +369,6 @@ struct Node {
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
     forged: VecDeque<(ContentId, Vec<u8>)>,
-    name: String,
     /// Signs served manifests (the engine holds its own copy of the identity).
     id: Identity,
     /// Served versions, oldest first: the snapshot and its encoded `Message::Manifest`.
@@ -399,21 +392,100 @@ struct Node {
     /// Not cut off: their updates and summaries still count wherever the others count them
     /// (bans are local; a node that alone dropped them would apply other sets than its peers).
     ckpt_liars: HashSet<NodeId>,
-    /// Per step: (own tokens, tokens of the applied set).
-    tokens: BTreeMap<u64, (u64, u64)>,
     role: Role,
     addr_file: Option<PathBuf>,
     listen_addrs: Vec<String>,
-    /// Per step: when this node handed its update to the engine (unix ms).
-    published: BTreeMap<u64, u64>,
-    /// Per step: when each peer's update checked out here (sender → unix ms), for the
-    /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
-    arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
+}
+
+/// The run's gossip topic, and the messages awaiting the engine's verdict (tag → gossipsub
+/// message id and source).
+struct Gossip {
+    topic: IdentTopic,
+    tags: BTreeMap<u64, (MessageId, PeerId)>,
+    next_tag: u64,
+}
+
+impl Gossip {
+    /// A tag for a message awaiting its verdict; beyond [`MAX_TAGS`] the oldest is forgotten.
+    fn tag(&mut self, id: MessageId, source: PeerId) -> u64 {
+        self.next_tag += 1;
+        if self.tags.len() >= MAX_TAGS {
+            self.tags.pop_first();
+        }
+        self.tags.insert(self.next_tag, (id, source));
+        self.next_tag
+    }
+}
+
+/// The trainer's command queue, and the commands it had no room for yet (Applies must never
+/// be dropped).
+struct TrainerQueue {
+    tx: mpsc::Sender<Cmd>,
+    backlog: VecDeque<Cmd>,
+}
+
+impl TrainerQueue {
+    fn send(&mut self, c: Cmd) {
+        self.backlog.push_back(c);
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        while let Some(c) = self.backlog.pop_front() {
+            match self.tx.try_send(c) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(c)) => {
+                    self.backlog.push_front(c);
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
+            }
+        }
+    }
+}
+
+/// Where a node reports: `--status` lines (and `NodeConfig::observer`), the `--metrics`
+/// gauges, the `--tui` view.
+struct Reporting {
+    /// This node's peer id, as its status lines name it.
+    name: String,
+    reg: Arc<Mutex<libp2p::metrics::Registry>>,
+    gauges: Gauges,
+    status: Option<StatusSink<std::fs::File>>,
+    /// Every status line also goes here.
+    observer: Option<mpsc::UnboundedSender<StatusLine>>,
+    /// The bandwidth counters at the last status line.
+    last_bw: (u64, u64),
     /// Penalties and bans handed out (the status line's counters).
     penalties: u64,
     bans: u64,
     /// `--tui`: the live view's feed (bounded; a full queue drops the frame, never blocks).
     tui: Option<crate::tui::Feed>,
+}
+
+impl Reporting {
+    /// Tell the live view (`--tui`), if there is one; never waits.
+    fn show(&self, u: crate::tui::Update) {
+        if let Some(t) = &self.tui {
+            t.send(u);
+        }
+    }
+}
+
+/// Per-step bookkeeping for the status lines, the newest [`KEEP_STEPS`] steps.
+#[derive(Default)]
+struct PerStep {
+    /// Per step: the local batch's loss and the training time (ms).
+    losses: BTreeMap<u64, (f64, u64)>,
+    /// Size of this node's last update.
+    update_bytes: u64,
+    /// Per step: (own tokens, tokens of the applied set).
+    tokens: BTreeMap<u64, (u64, u64)>,
+    /// Per step: when this node handed its update to the engine (unix ms).
+    published: BTreeMap<u64, u64>,
+    /// Per step: when each peer's update checked out here (sender → unix ms), for the
+    /// "publish until everyone holds it" figure (`swarm demo` joins the nodes' status lines).
+    arrivals: BTreeMap<u64, BTreeMap<String, u64>>,
 }
 
 /// Run peers from which on discovery slows down: twice gossipsub's `mesh_n_low`; gossip and
@@ -452,21 +524,11 @@ impl Node {
     }
 
     fn to_trainer(&mut self, c: Cmd) {
-        self.backlog.push_back(c);
-        self.flush_trainer();
+        self.trainer.send(c);
     }
 
     fn flush_trainer(&mut self) {
-        while let Some(c) = self.backlog.pop_front() {
-            match self.trainer.try_send(c) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(c)) => {
-                    self.backlog.push_front(c);
-                    return;
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => return,
-            }
-        }
+        self.trainer.flush();
     }
 
     fn act(&mut self, a: Action) {
@@ -476,7 +538,7 @@ impl Node {
                     .swarm
                     .behaviour_mut()
                     .gossipsub
-                    .publish(self.topic.clone(), bytes)
+                    .publish(self.gossip.topic.clone(), bytes)
                 {
                     tracing::debug!("publish: {e}");
                 }
@@ -488,7 +550,7 @@ impl Node {
                     .send_request(&net::peer_id(&peer), Request::Frame(bytes));
             }
             Action::Verdict { tag, verdict } => {
-                if let Some((id, src)) = self.tags.remove(&tag) {
+                if let Some((id, src)) = self.gossip.tags.remove(&tag) {
                     let v = match verdict {
                         Verdict::Accept => MessageAcceptance::Accept,
                         Verdict::Reject => MessageAcceptance::Reject,
@@ -533,12 +595,12 @@ impl Node {
                     h.on_applied(self.engine.run(), &self.engine.node_id(), &updates);
                 }
                 let t: u64 = updates.iter().map(|u| u.tokens).sum();
-                self.tokens.entry(step).or_default().1 = t;
+                self.per_step.tokens.entry(step).or_default().1 = t;
                 self.to_trainer(Cmd::Apply { step, updates })
             }
             Action::Penalize { peer, reason, .. } => {
                 tracing::info!(%peer, %reason, "penalized");
-                self.penalties += 1;
+                self.report.penalties += 1;
                 self.show(crate::tui::Update::Offence {
                     peer: peer.peer_id_string(),
                     reason: reason.to_string(),
@@ -552,7 +614,7 @@ impl Node {
             }
             Action::Ban { peer, reason } => {
                 tracing::warn!(%peer, %reason, "banned");
-                self.bans += 1;
+                self.report.bans += 1;
                 self.show(crate::tui::Update::Offence {
                     peer: peer.peer_id_string(),
                     reason: reason.to_string(),
@@ -569,7 +631,7 @@ impl Node {
             } => {
                 // Checks are advisory and cost two forward passes each: under a backlog (a
                 // slow machine) skip them rather than fall behind the step clock.
-                if self.backlog.len() < MAX_SPOT_BACKLOG {
+                if self.trainer.backlog.len() < MAX_SPOT_BACKLOG {
                     self.to_trainer(Cmd::SpotCheck {
                         step,
                         sender,
@@ -579,42 +641,47 @@ impl Node {
                     });
                 }
             }
-            Action::Report(r) => match r {
-                Report::StepApplied {
-                    step,
-                    included,
-                    listed,
-                    missing,
-                } => {
-                    tracing::debug!(step, included, listed, missing, "step set decided")
+            Action::Report(r) => self.on_report(r),
+        }
+    }
+
+    /// What the engine reports: logged; a synced download is saved, arrivals are timed.
+    fn on_report(&mut self, r: Report) {
+        match r {
+            Report::StepApplied {
+                step,
+                included,
+                listed,
+                missing,
+            } => {
+                tracing::debug!(step, included, listed, missing, "step set decided")
+            }
+            Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
+            Report::Synced { version, digest } => {
+                tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
+                if self.unsaved_load.take() == Some(version) {
+                    self.save_checkpoint();
                 }
-                Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
-                Report::Synced { version, digest } => {
-                    tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
-                    if self.unsaved_load.take() == Some(version) {
-                        self.save_checkpoint();
-                    }
+            }
+            Report::CheckpointUnattested { version, digest } => {
+                if self.unsaved_load == Some(version) {
+                    self.unsaved_load = None;
                 }
-                Report::CheckpointUnattested { version, digest } => {
-                    if self.unsaved_load == Some(version) {
-                        self.unsaved_load = None;
-                    }
-                    tracing::warn!(
-                        version,
-                        digest = %&digest.to_hex()[..12],
-                        "the loaded checkpoint is not the one the swarm attests; not saved, asking again"
-                    )
+                tracing::warn!(
+                    version,
+                    digest = %&digest.to_hex()[..12],
+                    "the loaded checkpoint is not the one the swarm attests; not saved, asking again"
+                )
+            }
+            Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
+            Report::Verified { step, sender } => {
+                let a = self.per_step.arrivals.entry(step).or_default();
+                if a.len() < self.engine.run().limits.max_updates_per_step as usize {
+                    a.entry(sender.peer_id_string()).or_insert_with(now_ms);
                 }
-                Report::Ignored { from, error } => tracing::debug!(%from, %error, "ignored"),
-                Report::Verified { step, sender } => {
-                    let a = self.arrivals.entry(step).or_default();
-                    if a.len() < self.engine.run().limits.max_updates_per_step as usize {
-                        a.entry(sender.peer_id_string()).or_insert_with(now_ms);
-                    }
-                    keep_recent(&mut self.arrivals);
-                }
-                other => tracing::info!("{other:?}"),
-            },
+                keep_recent(&mut self.per_step.arrivals);
+            }
+            other => tracing::info!("{other:?}"),
         }
     }
 
@@ -664,19 +731,16 @@ impl Node {
                             );
                         return;
                     };
-                    self.next_tag += 1;
-                    let tag = self.next_tag;
-                    if self.tags.len() >= MAX_TAGS {
-                        self.tags.pop_first();
-                    }
-                    self.tags.insert(tag, (message_id, propagation_source));
+                    let tag = self.gossip.tag(message_id, propagation_source);
                     self.feed(Event::Message {
                         from,
                         tag: Some(tag),
                         bytes: message.data,
                     });
                 }
-                gossipsub::Event::Subscribed { peer_id, topic } if topic == self.topic.hash() => {
+                gossipsub::Event::Subscribed { peer_id, topic }
+                    if topic == self.gossip.topic.hash() =>
+                {
                     if let Some(n) = net::node_id(&peer_id) {
                         if self.members.insert(peer_id, n).is_none() {
                             self.feed(Event::PeerConnected { peer: n });
@@ -820,14 +884,14 @@ impl Node {
                 loss,
                 ms,
             } => {
-                self.update_bytes = blob.len() as u64;
-                self.losses.insert(step, (loss, ms));
-                keep_recent(&mut self.losses);
-                self.gauges.loss.set(loss);
-                self.tokens.entry(step).or_default().0 = tokens;
-                keep_recent(&mut self.tokens);
-                self.published.insert(step, now_ms());
-                keep_recent(&mut self.published);
+                self.per_step.update_bytes = blob.len() as u64;
+                self.per_step.losses.insert(step, (loss, ms));
+                keep_recent(&mut self.per_step.losses);
+                self.report.gauges.loss.set(loss);
+                self.per_step.tokens.entry(step).or_default().0 = tokens;
+                keep_recent(&mut self.per_step.tokens);
+                self.per_step.published.insert(step, now_ms());
+                keep_recent(&mut self.per_step.published);
                 if self.hostile.is_some() {
                     self.act_hostile(step, blob, tokens);
                 } else {
@@ -857,7 +921,7 @@ impl Node {
                     digest: Digest(digest),
                 });
                 if let Some(e) = eval {
-                    self.gauges.eval.set(e);
+                    self.report.gauges.eval.set(e);
                 }
                 self.write_status(step, Digest(digest), ms, included, eval);
                 if last && self.done_at.is_none() {
@@ -905,7 +969,7 @@ impl Node {
                     "hostile: gossiping forged frames"
                 );
                 for f in gossip {
-                    let t = self.topic.clone();
+                    let t = self.gossip.topic.clone();
                     if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(t, f) {
                         tracing::debug!("hostile publish: {e}");
                     }
@@ -1236,31 +1300,32 @@ impl Node {
         included: usize,
         eval_loss: Option<f64>,
     ) {
-        let bw = net::bandwidth(&self.reg.lock().expect("registry lock"));
+        let bw = net::bandwidth(&self.report.reg.lock().expect("registry lock"));
         let (din, dout) = (
-            bw.0.saturating_sub(self.last_bw.0),
-            bw.1.saturating_sub(self.last_bw.1),
+            bw.0.saturating_sub(self.report.last_bw.0),
+            bw.1.saturating_sub(self.report.last_bw.1),
         );
-        self.last_bw = bw;
+        self.report.last_bw = bw;
         let m = self.engine.metrics().clone();
-        let (tokens, included_tokens) = self.tokens.get(&step).copied().unwrap_or((0, 0));
+        let (tokens, included_tokens) = self.per_step.tokens.get(&step).copied().unwrap_or((0, 0));
         let (loss, train_ms) = self
+            .per_step
             .losses
             .get(&step)
             .copied()
             .map_or((None, 0), |(l, t)| (Some(l), t));
-        self.gauges.step.set(step as i64 + 1);
-        self.gauges.peers.set(self.members.len() as i64);
-        self.gauges.rejected.set(m.rejected as i64);
-        self.gauges.fetches.set(m.fetches as i64);
+        self.report.gauges.step.set(step as i64 + 1);
+        self.report.gauges.peers.set(self.members.len() as i64);
+        self.report.gauges.rejected.set(m.rejected as i64);
+        self.report.gauges.fetches.set(m.fetches as i64);
         let line = StatusLine {
-            node: self.name.clone(),
+            node: self.report.name.clone(),
             step,
             version: step + 1,
             loss,
             peers: self.members.len(),
             included,
-            update_bytes: self.update_bytes,
+            update_bytes: self.per_step.update_bytes,
             bytes_out: dout,
             bytes_in: din,
             train_ms,
@@ -1271,11 +1336,16 @@ impl Node {
             fetches: m.fetches,
             tokens,
             included_tokens,
-            published_ms: self.published.get(&step).copied(),
-            arrivals: self.arrivals.get(&step).cloned().unwrap_or_default(),
+            published_ms: self.per_step.published.get(&step).copied(),
+            arrivals: self
+                .per_step
+                .arrivals
+                .get(&step)
+                .cloned()
+                .unwrap_or_default(),
             eval_loss,
-            penalties: self.penalties,
-            bans: self.bans,
+            penalties: self.report.penalties,
+            bans: self.report.bans,
         };
         tracing::info!(
             step,
@@ -1287,17 +1357,18 @@ impl Node {
             digest = &line.digest[..12],
             "applied"
         );
-        if let Some(f) = &mut self.status {
+        if let Some(f) = &mut self.report.status {
             f.line(&serde_json::to_string(&line).expect("a status line serializes"));
+        }
+        if let Some(o) = &self.report.observer {
+            let _ = o.send(line.clone());
         }
         self.show(crate::tui::Update::Status(Box::new(line)));
     }
 
     /// Tell the live view (`--tui`), if there is one; never waits.
     fn show(&self, u: crate::tui::Update) {
-        if let Some(t) = &self.tui {
-            t.send(u);
-        }
+        self.report.show(u);
     }
 }
 
@@ -1331,7 +1402,7 @@ async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registr
         .await
         .with_context(|| format!("metrics on {addr}"))?;
     tracing::info!("metrics at http://{addr}/metrics");
-    node::metrics::serve(l, reg).await?;
+    crate::metrics::serve(l, reg).await?;
     Ok(())
 }
 
@@ -1367,68 +1438,249 @@ fn make_trainer(
     Ok(t)
 }
 
+/// Everything [`run`] needs, resolved: `swarm run`'s flags read and checked
+/// ([`NodeConfig::from_args`]), or a test's choice ([`NodeConfig::new`]).
+pub struct NodeConfig {
+    /// The run (every node of a run uses the same one).
+    pub run: RunConfig,
+    /// This node's identity.
+    pub id: Identity,
+    /// Bootstrap peers, as multiaddrs ending in /p2p/PEER_ID.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Listen addresses, of the transport `run` is given.
+    pub listen: Vec<Multiaddr>,
+    pub device: tch::Device,
+    /// libtorch CPU threads (a process-wide setting).
+    pub threads: Option<i32>,
+    /// The data file for runs that train on a file.
+    pub data: Option<String>,
+    pub checkpoint_dir: Option<PathBuf>,
+    /// A checkpoint every N applied steps (with `checkpoint_dir`).
+    pub checkpoint_every: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    pub metrics: Option<SocketAddr>,
+    /// `--status`: the file status lines are appended to.
+    pub status: Option<PathBuf>,
+    /// Every status line is also sent here (how in-process tests watch a node).
+    pub observer: Option<mpsc::UnboundedSender<StatusLine>>,
+    /// Leave after applying this many steps (after lingering two periods to serve peers).
+    pub steps: Option<u64>,
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    pub adversary: Option<Adversary>,
+    pub mesh: usize,
+    pub role: Role,
+    pub addr_file: Option<PathBuf>,
+    /// `--tui`: where tracing writes while the view draws; the view runs when set.
+    pub tui: Option<crate::tui::LogRing>,
+}
+
+impl NodeConfig {
+    /// A trainer of `run` with identity `id`: no addresses, CPU, the run's batch, no held-out
+    /// evaluation, no status file, checkpoint directory, metrics or view, and no last step.
+    pub fn new(run: RunConfig, id: Identity) -> NodeConfig {
+        NodeConfig {
+            batch: run.batch_seqs as usize,
+            run,
+            id,
+            bootstrap: Vec::new(),
+            listen: Vec::new(),
+            device: tch::Device::Cpu,
+            threads: None,
+            data: None,
+            checkpoint_dir: None,
+            checkpoint_every: 1,
+            metrics: None,
+            status: None,
+            observer: None,
+            steps: None,
+            eval_every: 0,
+            eval_batches: 1,
+            adversary: None,
+            mesh: crate::net::DEFAULT_MESH,
+            role: Role::Trainer,
+            addr_file: None,
+            tui: None,
+        }
+    }
+
+    /// `swarm run`'s flags: the run file and key read, the device parsed. `log`: where tracing
+    /// writes while `--tui` draws (main sets it up; `None` without a view).
+    pub fn from_args(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<NodeConfig> {
+        let run = load_run(&a.run, a.genesis_ms)?;
+        let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
+        let device = train::parse_device(&a.device)?;
+        let batch = a.batch.unwrap_or(run.batch_seqs as usize).max(1);
+        Ok(NodeConfig {
+            run,
+            id,
+            bootstrap: a.bootstrap,
+            listen: a.listen,
+            device,
+            threads: a.threads,
+            data: a.data,
+            checkpoint_dir: a.checkpoint_dir,
+            checkpoint_every: a.checkpoint_every,
+            metrics: a.metrics,
+            status: a.status,
+            observer: None,
+            steps: a.steps,
+            eval_every: a.eval_every,
+            eval_batches: a.eval_batches,
+            batch,
+            adversary: a.adversary,
+            mesh: a.mesh,
+            role: a.role,
+            addr_file: a.addr_file,
+            tui: log,
+        })
+    }
+}
+
+/// `swarm run` (and `swarm bootstrap --run`): [`run`] on TCP and QUIC until SIGINT or SIGTERM.
 /// `log`: where tracing writes while `--tui` draws (main sets it up; `None` without a view).
-pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
-    let run = load_run(&a.run, a.genesis_ms)?;
-    let id = Identity::load(&a.key).map_err(|e| anyhow::anyhow!("{}: {e}", a.key.display()))?;
-    let device = train::parse_device(&a.device)?;
-    if let Some(t) = a.threads {
-        tch::set_num_threads(t);
-    }
-    let spec = trainer::data_spec(&run, a.data.as_deref())?;
-    let corpus = train::data::Corpus::open(&spec)?;
-    if corpus.vocab() as u32 > run.model.vocab {
-        bail!(
-            "data vocabulary {} exceeds the model's {}",
-            corpus.vocab(),
-            run.model.vocab
-        );
-    }
-    let batch = a.batch.unwrap_or(run.batch_seqs as usize).max(1);
-    let me = id.node_id();
+pub fn run_cli(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
+    let cfg = NodeConfig::from_args(a, log)?;
+    runtime()?.block_on(run(cfg, Transport::Network, shutdown()))
+}
+
+/// One node: the trainer thread, the engine and the libp2p swarm on `transport`, until the
+/// node has applied its last step (`cfg.steps`), `shutdown` completes, the view is quit or
+/// something fails. Returns once the trainer thread has stopped (after the command it was
+/// running), so the same checkpoint directory can be used again at once.
+pub async fn run(
+    cfg: NodeConfig,
+    transport: Transport,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let (cmd_tx, mut rep_rx, thread) = start_trainer(&cfg).await?;
+    let result = drive(cfg, transport, shutdown, cmd_tx, &mut rep_rx).await;
+    drop(rep_rx);
+    let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    result
+}
+
+/// The trainer, on its own thread: the data, the model (resumed from the checkpoint
+/// directory), and its command and reply queues. The blocking work runs off the async threads.
+async fn start_trainer(
+    cfg: &NodeConfig,
+) -> Result<(
+    mpsc::Sender<Cmd>,
+    mpsc::Receiver<Reply>,
+    std::thread::JoinHandle<()>,
+)> {
+    let (run, data, me) = (cfg.run.clone(), cfg.data.clone(), cfg.id.node_id());
+    let (batch, device, dir) = (cfg.batch, cfg.device, cfg.checkpoint_dir.clone());
+    let (threads, every, batches) = (cfg.threads, cfg.eval_every, cfg.eval_batches);
+    let trainer = tokio::task::spawn_blocking(move || -> Result<Trainer> {
+        if let Some(t) = threads {
+            tch::set_num_threads(t);
+        }
+        let spec = trainer::data_spec(&run, data.as_deref())?;
+        let corpus = train::data::Corpus::open(&spec)?;
+        if corpus.vocab() as u32 > run.model.vocab {
+            bail!(
+                "data vocabulary {} exceeds the model's {}",
+                corpus.vocab(),
+                run.model.vocab
+            );
+        }
+        Ok(
+            make_trainer(&run, corpus, &me, batch, device, dir.as_deref())?
+                .with_eval(every, batches),
+        )
+    })
+    .await??;
     let (cmd_tx, cmd_rx) = mpsc::channel::<Cmd>(TRAINER_QUEUE);
-    let (rep_tx, mut rep_rx) = mpsc::channel::<Reply>(TRAINER_QUEUE);
-    let trainer = make_trainer(
-        &run,
-        corpus,
-        &me,
-        batch,
-        device,
-        a.checkpoint_dir.as_deref(),
-    )?
-    .with_eval(a.eval_every, a.eval_batches);
-    std::thread::Builder::new()
+    let (rep_tx, rep_rx) = mpsc::channel::<Reply>(TRAINER_QUEUE);
+    let thread = std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || trainer.serve(cmd_rx, rep_tx))?;
+    Ok((cmd_tx, rep_rx, thread))
+}
 
-    runtime()?.block_on(async move {
-        let (genesis, params, resumed) = match rep_rx.recv().await {
-            Some(Reply::Ready {
-                digest,
-                params,
-                version,
-            }) => {
-                tracing::info!(params, version, digest = %Digest(digest).to_hex(), "model ready");
-                (Digest(digest), params, version)
+/// What the trainer holds when the loop starts.
+struct Started {
+    /// The parameters' digest (the genesis when `resumed` is 0).
+    digest: Digest,
+    params: i64,
+    /// The version resumed from the checkpoint directory (0: none).
+    resumed: u64,
+    /// The first snapshot: the model's layout (for checking manifests), and the version served
+    /// from the start.
+    first: Arc<Snapshot>,
+}
+
+async fn trainer_ready(
+    cmd_tx: &mpsc::Sender<Cmd>,
+    rep_rx: &mut mpsc::Receiver<Reply>,
+) -> Result<Started> {
+    let (digest, params, resumed) = match rep_rx.recv().await {
+        Some(Reply::Ready {
+            digest,
+            params,
+            version,
+        }) => {
+            tracing::info!(params, version, digest = %Digest(digest).to_hex(), "model ready");
+            (Digest(digest), params, version)
+        }
+        Some(Reply::Failed(e)) => bail!("trainer: {e}"),
+        _ => bail!("trainer exited"),
+    };
+    cmd_tx
+        .send(Cmd::Snapshot)
+        .await
+        .map_err(|_| anyhow::anyhow!("trainer exited"))?;
+    let first = match rep_rx.recv().await {
+        Some(Reply::Snapshot(s)) => s,
+        Some(Reply::Failed(e)) => bail!("trainer: {e}"),
+        _ => bail!("trainer exited"),
+    };
+    Ok(Started {
+        digest,
+        params,
+        resumed,
+        first,
+    })
+}
+
+/// Everything after the trainer is up: the swarm, the engine, the node, its loop.
+async fn drive(
+    cfg: NodeConfig,
+    transport: Transport,
+    shutdown: impl Future<Output = ()>,
+    cmd_tx: mpsc::Sender<Cmd>,
+    rep_rx: &mut mpsc::Receiver<Reply>,
+) -> Result<()> {
+    let started = trainer_ready(&cmd_tx, rep_rx).await?;
+    let mut reg = libp2p::metrics::Registry::default();
+    let mut ncfg = NetConfig::for_run(&cfg.run);
+    ncfg.mesh = cfg.mesh;
+    let swarm = net::build_swarm_on(transport, net::keypair(&cfg.id), &ncfg, &mut reg)?;
+    let gauges = Gauges::register(&mut reg);
+    let reg = Arc::new(Mutex::new(reg));
+    let engine = new_engine(&cfg, &started);
+    let mut node = Node::new(&cfg, engine, swarm, cmd_tx, reg.clone(), gauges, &started)?;
+    node.start(&cfg, started)?;
+    if let Some(addr) = cfg.metrics {
+        tokio::spawn(async move {
+            if let Err(e) = serve_metrics(addr, reg).await {
+                tracing::warn!("metrics server: {e:#}");
             }
-            Some(Reply::Failed(e)) => bail!("trainer: {e}"),
-            _ => bail!("trainer exited"),
-        };
-        // The first snapshot gives the model's layout (for checking manifests) and serves
-        // the version we start from.
-        cmd_tx
-            .send(Cmd::Snapshot)
-            .await
-            .map_err(|_| anyhow::anyhow!("trainer exited"))?;
-        let first = match rep_rx.recv().await {
-            Some(Reply::Snapshot(s)) => s,
-            Some(Reply::Failed(e)) => bail!("trainer: {e}"),
-            _ => bail!("trainer exited"),
-        };
-        let mut reg = libp2p::metrics::Registry::default();
-        let mut ncfg = NetConfig::for_run(&run);
-        ncfg.mesh = a.mesh;
-        let swarm = net::build_swarm(net::keypair(&id), &ncfg, &mut reg)?;
+        });
+    }
+    // `--tui`: the view runs on its own thread until `_view` drops (any return below).
+    let quit = Arc::new(tokio::sync::Notify::new());
+    let _view = node.start_view(&cfg, quit.clone())?;
+    node.event_loop(rep_rx, shutdown, &quit, !cfg.bootstrap.is_empty())
+        .await
+}
+
+impl Gauges {
+    /// The node's gauges, registered in `reg` (what `--metrics` serves).
+    fn register(reg: &mut libp2p::metrics::Registry) -> Gauges {
         let gauges = Gauges {
             step: Gauge::default(),
             peers: Gauge::default(),
@@ -1463,22 +1715,40 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             gauges.rejected.clone(),
         );
         reg.register("swarm_fetches", "Blob fetches", gauges.fetches.clone());
-        let reg = Arc::new(Mutex::new(reg));
-        let now = now_ms();
-        let rng_seed = u64::from_le_bytes(me.0[8..16].try_into().expect("8 bytes")) ^ now;
-        // Only version 0 is the genesis; a resumed checkpoint is offered to the engine below.
-        let engine = Engine::new(
-            run.clone(),
-            Identity::from_seed(id.seed()),
-            (resumed == 0).then_some(genesis),
-            now,
-            rng_seed,
-        );
-        if !engine.status().synced {
-            tracing::warn!("started after step 0 was applied: joining (needs a checkpoint)");
-        }
-        let topic = IdentTopic::new(run.topic());
-        let status = match &a.status {
+        gauges
+    }
+}
+
+/// The engine, from the genesis or (a resumed checkpoint) joining: only version 0 is the
+/// genesis; a resumed checkpoint is offered to the engine by [`Node::start`].
+fn new_engine(cfg: &NodeConfig, started: &Started) -> Engine {
+    let now = now_ms();
+    let me = cfg.id.node_id();
+    let rng_seed = u64::from_le_bytes(me.0[8..16].try_into().expect("8 bytes")) ^ now;
+    let engine = Engine::new(
+        cfg.run.clone(),
+        Identity::from_seed(cfg.id.seed()),
+        (started.resumed == 0).then_some(started.digest),
+        now,
+        rng_seed,
+    );
+    if !engine.status().synced {
+        tracing::warn!("started after step 0 was applied: joining (needs a checkpoint)");
+    }
+    engine
+}
+
+impl Node {
+    fn new(
+        cfg: &NodeConfig,
+        engine: Engine,
+        swarm: Swarm<Behaviour>,
+        trainer: mpsc::Sender<Cmd>,
+        reg: Arc<Mutex<libp2p::metrics::Registry>>,
+        gauges: Gauges,
+        started: &Started,
+    ) -> Result<Node> {
+        let status = match &cfg.status {
             Some(p) => Some(StatusSink::new(
                 std::fs::OpenOptions::new()
                     .create(true)
@@ -1488,42 +1758,51 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             )),
             None => None,
         };
-        if let Some(adv) = a.adversary {
+        if let Some(adv) = cfg.adversary {
             tracing::warn!(
                 ?adv,
                 "running as a HOSTILE peer (--adversary): for tests only"
             );
         }
-        let mut node = Node {
+        Ok(Node {
             engine,
             swarm,
-            topic: topic.clone(),
-            tags: BTreeMap::new(),
-            next_tag: 0,
+            gossip: Gossip {
+                topic: IdentTopic::new(cfg.run.topic()),
+                tags: BTreeMap::new(),
+                next_tag: 0,
+            },
             fetches: HashMap::new(),
-            trainer: cmd_tx,
-            backlog: VecDeque::new(),
+            trainer: TrainerQueue {
+                tx: trainer,
+                backlog: VecDeque::new(),
+            },
             members: BTreeMap::new(),
             // Per peer: a few fetches per step per update is plenty; bursts cover a repair.
-            rate: RateLimit::new(50.0, 200.0, run.limits.max_peers as usize),
-            reg: reg.clone(),
-            gauges,
-            status,
-            losses: BTreeMap::new(),
-            update_bytes: 0,
-            last_bw: (0, 0),
-            steps: a.steps,
+            rate: RateLimit::new(50.0, 200.0, cfg.run.limits.max_peers as usize),
+            report: Reporting {
+                name: cfg.id.node_id().peer_id_string(),
+                reg,
+                gauges,
+                status,
+                observer: cfg.observer.clone(),
+                last_bw: (0, 0),
+                penalties: 0,
+                bans: 0,
+                tui: None,
+            },
+            per_step: PerStep::default(),
+            steps: cfg.steps,
             done_at: None,
-            ckpt_dir: a.checkpoint_dir.clone(),
+            ckpt_dir: cfg.checkpoint_dir.clone(),
             unsaved_load: None,
-            ckpt_every: a.checkpoint_every,
-            hostile: a.adversary.map(Hostile::new),
+            ckpt_every: cfg.checkpoint_every,
+            hostile: cfg.adversary.map(Hostile::new),
             forged: VecDeque::new(),
-            name: me.peer_id_string(),
-            id,
+            id: Identity::from_seed(cfg.id.seed()),
             snapshots: VecDeque::new(),
             layout: Vec::new(),
-            params,
+            params: started.params,
             snapshot_until: 0,
             download: None,
             ckpt_requests: HashMap::new(),
@@ -1533,125 +1812,144 @@ pub fn run(a: RunArgs, log: Option<crate::tui::LogRing>) -> Result<()> {
             ckpt_asked: (0, Vec::new()),
             banned: HashSet::new(),
             ckpt_liars: HashSet::new(),
-            tokens: BTreeMap::new(),
-            role: a.role,
-            addr_file: a.addr_file.clone(),
+            role: cfg.role,
+            addr_file: cfg.addr_file.clone(),
             listen_addrs: Vec::new(),
-            published: BTreeMap::new(),
-            arrivals: BTreeMap::new(),
-            penalties: 0,
-            bans: 0,
-            tui: None,
-        };
-        if a.role != Role::Trainer {
-            node.engine.set_listen(Vec::new(), a.role.capabilities());
-            tracing::info!(role = ?a.role, "following the run without training");
+        })
+    }
+
+    /// Into the run: the role, the first snapshot served, a resumed checkpoint offered, the
+    /// topic joined, listening, and the bootstrap peers dialed.
+    fn start(&mut self, cfg: &NodeConfig, started: Started) -> Result<()> {
+        if cfg.role != Role::Trainer {
+            self.engine.set_listen(Vec::new(), cfg.role.capabilities());
+            tracing::info!(role = ?cfg.role, "following the run without training");
         }
-        node.add_snapshot(first);
-        if resumed > 0 && now < node.engine.run().timing.publish_deadline(resumed) {
+        self.add_snapshot(started.first);
+        let resumed = started.resumed;
+        if resumed > 0 && now_ms() < self.engine.run().timing.publish_deadline(resumed) {
             // Restarted within the step after the one saved: the swarm will attest exactly
             // this version, so no download is needed. Later, the engine asks peers for a
             // newer one instead (the summaries to catch up from this one were never heard).
-            node.feed(Event::CheckpointLoaded {
+            self.feed(Event::CheckpointLoaded {
                 version: resumed,
-                digest: genesis,
+                digest: started.digest,
             });
         }
         // First hops are only the bootstrap peers the operator chose (any peer can claim the
         // relay capability; SECURITY.md).
-        node.engine.set_trusted_relays(
-            a.bootstrap
+        self.engine.set_trusted_relays(
+            cfg.bootstrap
                 .iter()
                 .filter_map(split_p2p)
                 .filter_map(|(p, _)| net::node_id(&p)),
         );
-        node.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
-        for l in &a.listen {
-            node.swarm.listen_on(l.clone())?;
+        let topic = self.gossip.topic.clone();
+        self.swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
+        for l in &cfg.listen {
+            self.swarm.listen_on(l.clone())?;
         }
-        for b in &a.bootstrap {
+        for b in &cfg.bootstrap {
             match split_p2p(b) {
                 Some((p, addr)) => {
-                    node.swarm.behaviour_mut().kad.add_address(&p, addr);
+                    self.swarm.behaviour_mut().kad.add_address(&p, addr);
                 }
                 None => {
                     tracing::warn!("bootstrap address {b} has no /p2p/PEER_ID; dialing it anyway")
                 }
             }
-            node.swarm.dial(b.clone())?;
+            self.swarm.dial(b.clone())?;
         }
-        if let Some(addr) = a.metrics {
-            let reg = reg.clone();
-            tokio::spawn(async move {
-                if let Err(e) = serve_metrics(addr, reg).await {
-                    tracing::warn!("metrics server: {e:#}");
-                }
-            });
-        }
-        // `--tui`: the view runs on its own thread until `_view` drops (any return below).
-        let quit = Arc::new(tokio::sync::Notify::new());
-        let _view = match log {
-            Some(log) => {
-                let view = crate::tui::View::new(
-                    node.name.clone(),
-                    run.name.clone(),
-                    run.timing.genesis_ms,
-                    run.timing.period_ms,
-                    log,
-                );
-                let q = quit.clone();
-                let t = crate::tui::Tui::start(view, move || q.notify_one())
-                    .context("--tui: taking over the terminal")?;
-                node.tui = Some(t.feed.clone());
-                Some(t)
-            }
-            None => None,
+        Ok(())
+    }
+
+    /// `--tui`: the live view on its own thread (until the returned handle drops); `quit` is
+    /// notified when the person leaves it.
+    fn start_view(
+        &mut self,
+        cfg: &NodeConfig,
+        quit: Arc<tokio::sync::Notify>,
+    ) -> Result<Option<crate::tui::Tui>> {
+        let Some(log) = cfg.tui.clone() else {
+            return Ok(None);
         };
-        node.feed(Event::Timer);
+        let t = &cfg.run.timing;
+        let view = crate::tui::View::new(
+            self.report.name.clone(),
+            cfg.run.name.clone(),
+            t.genesis_ms,
+            t.period_ms,
+            log,
+        );
+        let t = crate::tui::Tui::start(view, move || quit.notify_one())
+            .context("--tui: taking over the terminal")?;
+        self.report.tui = Some(t.feed.clone());
+        Ok(Some(t))
+    }
+
+    /// The loop: swarm events, trainer replies, the engine's timer, a periodic tick and
+    /// discovery, until the last step is done, `shutdown` completes or the view is quit.
+    async fn event_loop(
+        &mut self,
+        rep_rx: &mut mpsc::Receiver<Reply>,
+        shutdown: impl Future<Output = ()>,
+        quit: &tokio::sync::Notify,
+        has_bootstrap: bool,
+    ) -> Result<()> {
+        tokio::pin!(shutdown);
+        self.feed(Event::Timer);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut discover = tokio::time::interval(Duration::from_secs(5));
         let mut last_discover = 0u64;
         loop {
             // The engine's one timer, re-armed every turn to what it asks for now.
-            let timer = node.engine.poll_timeout();
+            let timer = self.engine.poll_timeout();
             let wait = timer.map_or(Duration::from_secs(3600), |t| {
                 Duration::from_millis(t.saturating_sub(now_ms()))
             });
             tokio::select! {
-                ev = node.swarm.select_next_some() => node.on_swarm(ev),
+                ev = self.swarm.select_next_some() => self.on_swarm(ev),
                 r = rep_rx.recv() => match r {
-                    Some(r) => node.on_trainer(r)?,
+                    Some(r) => self.on_trainer(r)?,
                     None => bail!("trainer thread exited"),
                 },
-                _ = tokio::time::sleep(wait), if timer.is_some() => node.feed(Event::Timer),
+                _ = tokio::time::sleep(wait), if timer.is_some() => self.feed(Event::Timer),
                 _ = tick.tick() => {
-                    // Timer events are idempotent: a periodic one is a safety net beside the
-                    // engine's own deadline (`poll_timeout`).
-                    node.feed(Event::Timer);
-                    node.tick_checkpoints();
-                    node.flush_trainer();
-                    if node.done_at.is_some_and(|d| now_ms() >= d) {
-                        tracing::info!("reached {} steps; leaving", node.steps.unwrap_or(0));
+                    if self.on_tick() {
+                        tracing::info!("reached {} steps; leaving", self.steps.unwrap_or(0));
                         return Ok(());
                     }
                 }
-                _ = discover.tick() => {
-                    // A kademlia bootstrap is a burst of queries to every known peer: often
-                    // while this node knows few peers of the run, then once a minute (at every
-                    // 5 s it was most of a node's upload per step once updates went to a relay).
-                    let few = node.members.len() < DISCOVER_ENOUGH_PEERS;
-                    let since = now_ms().saturating_sub(last_discover);
-                    if !a.bootstrap.is_empty() && (few || since >= 60_000) {
-                        last_discover = now_ms();
-                        let _ = node.swarm.behaviour_mut().kad.bootstrap();
-                    }
-                    node.show(crate::tui::Update::Peers(node.members.len()));
-                }
+                _ = discover.tick() => self.on_discover(&mut last_discover, has_bootstrap),
                 _ = quit.notified() => return Ok(()),
-                _ = shutdown() => return Ok(()),
+                _ = &mut shutdown => return Ok(()),
             }
         }
-    })
+    }
+
+    /// The loop's periodic tick; true when the node is done (its last step applied and
+    /// served for a while).
+    fn on_tick(&mut self) -> bool {
+        // Timer events are idempotent: a periodic one is a safety net beside the engine's own
+        // deadline (`poll_timeout`).
+        self.feed(Event::Timer);
+        self.tick_checkpoints();
+        self.flush_trainer();
+        self.done_at.is_some_and(|d| now_ms() >= d)
+    }
+
+    /// A kademlia bootstrap is a burst of queries to every known peer: often while this node
+    /// knows few peers of the run, then once a minute (at every 5 s it was most of a node's
+    /// upload per step once updates went to a relay).
+    fn on_discover(&mut self, last_discover: &mut u64, has_bootstrap: bool) {
+        let few = self.members.len() < DISCOVER_ENOUGH_PEERS;
+        let since = now_ms().saturating_sub(*last_discover);
+        if has_bootstrap && (few || since >= 60_000) {
+            *last_discover = now_ms();
+            let _ = self.swarm.behaviour_mut().kad.bootstrap();
+        }
+        self.show(crate::tui::Update::Peers(self.members.len()));
+    }
 }
 
 #[cfg(test)]

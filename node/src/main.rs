@@ -3,16 +3,12 @@
 mod cmd_codec;
 mod cmd_demo;
 mod cmd_model;
-mod cmd_net;
 mod cmd_sim;
 mod cmd_train;
-mod hostile;
 mod plot;
-mod status;
-mod trainer;
-mod tui;
 
 use clap::{Parser, Subcommand};
+use node::{cmd_net, tui};
 
 #[derive(Parser)]
 #[command(
@@ -143,7 +139,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", id.node_id().peer_id_string());
             Ok(())
         }
-        Cmd::Run(a) => cmd_net::run(*a, tui_log),
+        Cmd::Run(a) => cmd_net::run_cli(*a, tui_log),
         Cmd::Bootstrap(a) => cmd_net::bootstrap(a),
         Cmd::Demo(a) => cmd_demo::run(a),
         Cmd::Export(a) => cmd_model::export(a),

@@ -25,6 +25,8 @@ use std::time::Duration;
 
 use crypto::NodeId;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use libp2p::core::transport::MemoryTransport;
+use libp2p::core::{upgrade, Transport as _};
 use libp2p::gossipsub::{self, MessageAuthenticity, MessageId, TopicHash, ValidationMode};
 use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
@@ -333,6 +335,17 @@ pub fn build_behaviour(key: &Keypair, cfg: &NetConfig) -> Result<Behaviour, NetE
     })
 }
 
+/// Which libp2p transport a node's swarm runs on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP (noise + yamux) and QUIC: what `swarm run` listens on and dials.
+    #[default]
+    Network,
+    /// libp2p's in-process memory transport (noise + yamux over `/memory/N` addresses), so
+    /// that several nodes run in one process (the in-process tests).
+    Memory,
+}
+
 /// A tokio swarm listening on TCP (noise + yamux) and QUIC, with bandwidth counted into
 /// `registry` (the `libp2p_bandwidth` family: bytes after encryption is removed, per direction).
 pub fn build_swarm(
@@ -340,24 +353,53 @@ pub fn build_swarm(
     cfg: &NetConfig,
     registry: &mut libp2p::metrics::Registry,
 ) -> Result<Swarm<Behaviour>, NetError> {
+    build_swarm_on(Transport::Network, key, cfg, registry)
+}
+
+/// As [`build_swarm`], on the given transport.
+pub fn build_swarm_on(
+    transport: Transport,
+    key: Keypair,
+    cfg: &NetConfig,
+    registry: &mut libp2p::metrics::Registry,
+) -> Result<Swarm<Behaviour>, NetError> {
     let cfg = cfg.clone();
-    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
-        .with_tokio()
-        .with_tcp(
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )
-        .map_err(|e| NetError::Transport(e.to_string()))?
-        .with_quic()
-        .with_bandwidth_metrics(registry)
-        .with_behaviour(|k| {
-            build_behaviour(k, &cfg)
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        })
-        .map_err(|e| NetError::Transport(e.to_string()))?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(120)))
-        .build();
+    let behaviour = move |k: &Keypair| {
+        build_behaviour(k, &cfg)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    };
+    let idle = |c: libp2p::swarm::Config| c.with_idle_connection_timeout(Duration::from_secs(120));
+    let tokio = libp2p::SwarmBuilder::with_existing_identity(key).with_tokio();
+    let swarm = match transport {
+        Transport::Network => tokio
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(|e| NetError::Transport(e.to_string()))?
+            .with_quic()
+            .with_bandwidth_metrics(registry)
+            .with_behaviour(behaviour)
+            .map_err(|e| NetError::Transport(e.to_string()))?
+            .with_swarm_config(idle)
+            .build(),
+        Transport::Memory => tokio
+            .with_other_transport(|k| {
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                    MemoryTransport::default()
+                        .upgrade(upgrade::Version::V1)
+                        .authenticate(noise::Config::new(k)?)
+                        .multiplex(yamux::Config::default()),
+                )
+            })
+            .map_err(|e| NetError::Transport(e.to_string()))?
+            .with_bandwidth_metrics(registry)
+            .with_behaviour(behaviour)
+            .map_err(|e| NetError::Transport(e.to_string()))?
+            .with_swarm_config(idle)
+            .build(),
+    };
     Ok(swarm)
 }
 

@@ -49,7 +49,7 @@ pub struct StatusLine {
 }
 
 /// The status lines of a file written by `swarm run --status`; none if it cannot be opened.
-pub(crate) fn read(p: &Path) -> Vec<StatusLine> {
+pub fn read(p: &Path) -> Vec<StatusLine> {
     match std::fs::File::open(p) {
         Ok(f) => read_lines(std::io::BufReader::new(f)),
         Err(_) => Vec::new(),
@@ -57,7 +57,7 @@ pub(crate) fn read(p: &Path) -> Vec<StatusLine> {
 }
 
 /// Every line that parses. A line being written may be torn: what does not parse is skipped.
-pub(crate) fn read_lines(r: impl BufRead) -> Vec<StatusLine> {
+pub fn read_lines(r: impl BufRead) -> Vec<StatusLine> {
     r.lines()
         .map_while(|l| l.ok())
         .filter_map(|l| serde_json::from_str(&l).ok())
@@ -67,14 +67,14 @@ pub(crate) fn read_lines(r: impl BufRead) -> Vec<StatusLine> {
 /// `--status`: one JSON line per applied step. A failed write (a full disk, a removed file) is
 /// logged, once until a write succeeds again, and the node goes on: the file is a report, and
 /// losing a line of it must not stop training.
-pub(crate) struct StatusSink<W: Write> {
+pub struct StatusSink<W: Write> {
     out: W,
     failed: bool,
     lost: u64,
 }
 
 impl<W: Write> StatusSink<W> {
-    pub(crate) fn new(out: W) -> Self {
+    pub fn new(out: W) -> Self {
         StatusSink {
             out,
             failed: false,
@@ -82,7 +82,7 @@ impl<W: Write> StatusSink<W> {
         }
     }
 
-    pub(crate) fn line(&mut self, json: &str) {
+    pub fn line(&mut self, json: &str) {
         match writeln!(self.out, "{json}").and_then(|()| self.out.flush()) {
             Ok(()) => {
                 if self.failed {
