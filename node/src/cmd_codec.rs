@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 use train::demo::DctCodec;
 
 #[derive(Subcommand, Debug)]
-pub enum CodecCmd {
+pub(crate) enum CodecCmd {
     /// Compress every tensor of a safetensors file, each treated as a momentum, into one update.
     #[command(
         after_help = "The output holds the tensor names and the update blob exactly as it goes on the wire.\n\
@@ -87,7 +87,7 @@ Example: swarm codec encode --input m.safetensors --topk 4 --values sign --outpu
 
 /// The codec's settings, shared by `encode` and `size`.
 #[derive(clap::Args, Debug)]
-pub struct Knobs {
+pub(crate) struct Knobs {
     /// Target chunk length per dimension.
     #[arg(long, default_value_t = 64)]
     chunk: u32,
@@ -109,7 +109,7 @@ struct CodecFile {
     blob: Vec<u8>,
 }
 
-pub fn run(c: CodecCmd) -> Result<()> {
+pub(crate) fn run(c: CodecCmd) -> Result<()> {
     match c {
         CodecCmd::Encode {
             input,
@@ -454,7 +454,7 @@ fn max_k(u: &SparseUpdate) -> u32 {
     u.tensors.iter().map(|t| t.k).max().unwrap_or(0)
 }
 
-pub fn size_table(m: &ModelConfig, chunk: u32, topk: u32, values: ValueCodec, peers: u64) {
+pub(crate) fn size_table(m: &ModelConfig, chunk: u32, topk: u32, values: ValueCodec, peers: u64) {
     let layout = Layout::for_model(m, chunk);
     let bytes = sparse::encoded_size(&layout, topk, values) as f64;
     let p = m.param_count() as f64;

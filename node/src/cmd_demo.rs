@@ -30,7 +30,7 @@ const TINY_LOCAL_STEPS: &str = include_str!("../runs/tiny-local-steps.toml");
 #[command(
     after_help = "Examples:\n  swarm demo\n  swarm demo --trainers 2 --steps 8 --period-ms 1500 --out /tmp/demo\n  swarm demo --run node/runs/small-local.toml --trainers 8 --period-ms 20000 --steps 8 --no-baseline"
 )]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Trainer processes.
     #[arg(long, default_value_t = 4)]
     pub trainers: usize,
@@ -196,7 +196,7 @@ fn spread(
     )
 }
 
-pub fn run(mut a: DemoArgs) -> Result<()> {
+pub(crate) fn run(mut a: DemoArgs) -> Result<()> {
     let start = Instant::now();
     if a.trainers == 0 {
         bail!("--trainers must be at least 1");

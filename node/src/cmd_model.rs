@@ -17,7 +17,7 @@ Any harness that takes a HF checkpoint runs on it (see the README, \"Evaluate\")
 Examples:\n  swarm export --checkpoint runs/ckpt/v200.safetensors --out runs/hf\n  \
 swarm export --checkpoint runs/ckpt/v200.safetensors --run run.toml --out runs/hf --dtype bf16"
 )]
-pub struct ExportArgs {
+pub(crate) struct ExportArgs {
     /// A checkpoint swarm wrote: `--checkpoint-dir`'s vN.safetensors, `swarm train --save`, or
     /// `swarm import`'s output.
     #[arg(long)]
@@ -43,7 +43,7 @@ pub struct ExportArgs {
     after_help = "The output trains on with `swarm train --init FILE` (its sizes travel \
 in the file's metadata).\n\nExample:\n  swarm import --hf runs/hf --out runs/imported.safetensors"
 )]
-pub struct ImportArgs {
+pub(crate) struct ImportArgs {
     /// A Hugging Face Llama directory: config.json and model.safetensors (or the shards of
     /// model.safetensors.index.json). Tied embeddings become an untied head.
     #[arg(long)]
@@ -67,7 +67,7 @@ Examples:\n  swarm eval --checkpoint runs/ckpt/v200.safetensors --data ../shared
 swarm eval --checkpoint runs/train.safetensors            # the synthetic corpus, beside its floor\n  \
 swarm eval --checkpoint v9.safetensors --data heldout.txt --split all --tokenizer tok.json"
 )]
-pub struct EvalArgs {
+pub(crate) struct EvalArgs {
     /// The checkpoint to evaluate (any swarm safetensors file; see `swarm export --help`).
     #[arg(long)]
     checkpoint: PathBuf,
@@ -130,7 +130,7 @@ fn open_checkpoint(
     Ok((cfg, tensors, run))
 }
 
-pub fn export(a: ExportArgs) -> Result<()> {
+pub(crate) fn export(a: ExportArgs) -> Result<()> {
     let (cfg, tensors, run) = open_checkpoint(&a.checkpoint, a.run.as_deref())?;
     let tokenizer = a
         .tokenizer
@@ -180,7 +180,7 @@ pub fn export(a: ExportArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn import(a: ImportArgs) -> Result<()> {
+pub(crate) fn import(a: ImportArgs) -> Result<()> {
     let name = a.name.clone().unwrap_or_else(|| {
         a.hf.file_name()
             .map(|s| s.to_string_lossy().to_string())
@@ -219,7 +219,7 @@ pub fn import(a: ImportArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn eval(a: EvalArgs) -> Result<()> {
+pub(crate) fn eval(a: EvalArgs) -> Result<()> {
     if let Some(t) = a.threads {
         train::tch::set_num_threads(t);
     }

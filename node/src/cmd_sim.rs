@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
-pub struct SimArgs {
+pub(crate) struct SimArgs {
     /// Scenario file (TOML; see sim/scenarios/).
     pub scenario: Option<PathBuf>,
     /// Directory for metrics.json (one per sweep point) and the PNG plots.
@@ -21,7 +21,7 @@ pub struct SimArgs {
     pub no_plots: bool,
 }
 
-pub fn run(a: SimArgs) -> Result<()> {
+pub(crate) fn run(a: SimArgs) -> Result<()> {
     if a.worked_example {
         let rows = sim::worked::table();
         print!("{}", sim::worked::markdown(&rows));

@@ -18,7 +18,7 @@ swarm train --schedule overlap --replicas 16 --steps 1000 --report runs/swarm-sc
 swarm train --schedule overlap --lookahead off --report runs/no-lookahead.json   # the stall\n  \
 swarm train --optimizer local --schedule overlap --replicas 16 --steps 1000 --report runs/local.json"
 )]
-pub struct TrainArgs {
+pub(crate) struct TrainArgs {
     /// Model: tiny (~0.85M params, minutes on a CPU), small (~27M), 1.2b (the DisTrO report's).
     #[arg(long, default_value = "tiny")]
     model: String,
@@ -156,7 +156,7 @@ fn parse_opt(s: &str) -> Result<Optimizer, String> {
     }
 }
 
-pub fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) -> DataSpec {
+pub(crate) fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) -> DataSpec {
     if let Some(rest) = data.strip_prefix("synthetic") {
         // synthetic[:VOCAB[:BRANCH[:SEED]]]
         let mut spec = DataSpec::synthetic_default();
@@ -198,7 +198,7 @@ pub fn data_spec(data: &str, tokenizer: Option<&PathBuf>, width: Option<u32>) ->
     }
 }
 
-pub fn run(a: TrainArgs) -> Result<()> {
+pub(crate) fn run(a: TrainArgs) -> Result<()> {
     if let Some(t) = a.threads {
         tch::set_num_threads(t);
     }
@@ -297,7 +297,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if tty {
         pb.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]")
-                .unwrap(),
+                .expect("a valid template"),
         );
     } else {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());

@@ -1,5 +1,8 @@
 //! The `swarm` binary as a user runs it.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -1,6 +1,9 @@
 //! `swarm demo` end to end with real processes: a bootstrap peer and two trainers on loopback
 //! train a few steps over libp2p, and every trainer's parameter digest agrees after every step.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -12,6 +12,9 @@
 //!
 //! The drills share two cores, so they take turns (one lock for the file).
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};

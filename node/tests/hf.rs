@@ -3,6 +3,9 @@
 //! `small` load as `LlamaForCausalLM` with logits equal to swarm's to 1e-4 on a fixed batch,
 //! the import of the export is bit-identical to the checkpoint, and the imported file trains on.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use train::model::Llama;

@@ -13,6 +13,9 @@
 //! What only real processes show (kill -9, network namespaces) stays in `faults.rs` and
 //! `netns.rs`.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

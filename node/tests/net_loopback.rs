@@ -2,6 +2,9 @@
 //! receive and validate manually (forwarding waits for the verdict), one fetches a blob by id
 //! from another over request-response, and an oversize response is cut off by the codec cap.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::time::Duration;
 

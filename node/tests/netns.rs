@@ -8,6 +8,9 @@
 //! this test passes with that message (CI on a machine without the permission still runs the
 //! loopback drills in `faults.rs`).
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,6 +6,9 @@
 //! updates, the real nodes' parameter digests must equal the simulator's step for step and the
 //! mean train loss must match to float precision — not merely within noise.
 
+// A test: an unwrap that fails is a failing test, with its line (helpers included).
+#![allow(clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

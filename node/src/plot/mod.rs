@@ -13,10 +13,10 @@ use anyhow::{anyhow, Result};
 use plotters::coord::CoordTranslate;
 use plotters::prelude::*;
 
-pub mod report;
-pub mod sim;
+pub(crate) mod report;
+pub(crate) mod sim;
 
-pub use report::{bytes_plot, loss_plot, summary_table};
+pub(crate) use report::{bytes_plot, loss_plot, summary_table};
 
 /// plotters' errors carry the backend's error type; callers only need the message.
 fn err<E: std::fmt::Display>(x: E) -> anyhow::Error {
@@ -39,11 +39,11 @@ where
 }
 
 /// One named line of a chart.
-pub type Series = (String, Vec<(f64, f64)>, RGBColor);
+pub(crate) type Series = (String, Vec<(f64, f64)>, RGBColor);
 
 /// A line chart over a step axis starting at 0; `log_y` drops non-positive points. Non-finite
 /// points do not stretch the axes.
-pub fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) -> Result<()> {
+pub(crate) fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) -> Result<()> {
     let root = BitMapBackend::new(out, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let pts = series
@@ -107,7 +107,7 @@ pub fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bo
 }
 
 /// A histogram of `(bucket upper bound, count)`.
-pub fn histogram(out: &Path, title: &str, xlabel: &str, hist: &[(f64, u64)]) -> Result<()> {
+pub(crate) fn histogram(out: &Path, title: &str, xlabel: &str, hist: &[(f64, u64)]) -> Result<()> {
     let root = BitMapBackend::new(out, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let n = hist.len().max(1);
@@ -141,7 +141,7 @@ pub fn histogram(out: &Path, title: &str, xlabel: &str, hist: &[(f64, u64)]) -> 
 
 /// A grouped bar chart: one group per category, one bar per series (colours in turn), a zero
 /// line; non-finite values are left out.
-pub fn bars(
+pub(crate) fn bars(
     out: &Path,
     title: &str,
     ylabel: &str,
@@ -217,7 +217,7 @@ pub fn bars(
 }
 
 /// What a JSON file given to `swarm plot` holds, told apart by its shape.
-pub enum Input {
+pub(crate) enum Input {
     /// `swarm train --report` / `swarm demo`'s per-node reports.
     Train(Box<train::run::TrainReport>),
     /// A simulator run's `metrics.json` (`swarm sim`, `sim` examples).
@@ -227,7 +227,7 @@ pub enum Input {
 }
 
 impl Input {
-    pub fn read(path: &Path) -> Result<Input> {
+    pub(crate) fn read(path: &Path) -> Result<Input> {
         let bytes = std::fs::read(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         if let Ok(r) = serde_json::from_slice(&bytes) {
             return Ok(Input::Train(Box::new(r)));
@@ -246,7 +246,7 @@ impl Input {
 }
 
 /// `swarm plot FILES --out OUT`: draw whatever the files are (see [`Input`]).
-pub fn draw(files: &[std::path::PathBuf], out: &Path) -> Result<()> {
+pub(crate) fn draw(files: &[std::path::PathBuf], out: &Path) -> Result<()> {
     let mut reports = Vec::new();
     for p in files {
         let one = files.len() == 1;

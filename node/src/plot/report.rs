@@ -10,7 +10,7 @@ use super::{err, legend};
 /// A report's family: the text in its label's last parentheses ("n1 (swarm)" → "swarm"), else
 /// the whole label. Members of a family share a colour and one legend entry, so a demo's four
 /// swarm nodes read as one method beside AdamW.
-pub fn family(label: &str) -> &str {
+pub(crate) fn family(label: &str) -> &str {
     match (label.rfind('('), label.ends_with(')')) {
         (Some(i), true) => &label[i + 1..label.len() - 1],
         _ => label,
@@ -21,7 +21,7 @@ pub fn family(label: &str) -> &str {
 /// line with points), one colour per family, and the corpus's loss floor (dashed) when it is
 /// known. Bottom: bytes each node sends per step (log scale: AdamW's all-reduce and the
 /// swarm's sparse updates are orders of magnitude apart).
-pub fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
+pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1000, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let (top, bottom) = root.split_vertically(560);
@@ -226,14 +226,14 @@ fn tokens_per_send(r: &TrainReport) -> f64 {
 }
 
 /// Bytes one node sends per token it trains (the last record's send over its tokens).
-pub fn bytes_per_token(r: &TrainReport) -> f64 {
+pub(crate) fn bytes_per_token(r: &TrainReport) -> f64 {
     r.steps
         .last()
         .map_or(0.0, |s| s.bytes_sent as f64 / tokens_per_send(r))
 }
 
 /// Final eval loss of each report, its distance to the floor and to the first report.
-pub fn summary_table(reports: &[(String, TrainReport)]) {
+pub(crate) fn summary_table(reports: &[(String, TrainReport)]) {
     let Some((_, base)) = reports.first() else {
         return;
     };
@@ -271,7 +271,7 @@ pub fn summary_table(reports: &[(String, TrainReport)]) {
 /// it trains (log scale), one line per method (DeMo at several k, local steps at several H…),
 /// so a compressor's figure of merit — how little it sends for how little loss it gives up —
 /// reads at a glance, and methods that exchange every batch or every window compare fairly.
-pub fn bytes_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
+pub(crate) fn bytes_plot(reports: &[(String, TrainReport)], out: &Path) -> Result<()> {
     let Some((_, base)) = reports.first() else {
         return Ok(());
     };

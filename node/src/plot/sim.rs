@@ -13,7 +13,7 @@ use sim::metrics::{Metrics, StepMetrics};
 use super::{bars, histogram, lines};
 
 /// Write loss.png, bytes.png, latency.png and included.png into `dir`.
-pub fn metrics(m: &Metrics, dir: &Path) -> Result<()> {
+pub(crate) fn metrics(m: &Metrics, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|x| anyhow!("{}: {x}", dir.display()))?;
     let st = &m.steps;
     let xs = |f: &dyn Fn(&StepMetrics) -> Option<f64>| -> Vec<(f64, f64)> {
@@ -114,7 +114,7 @@ pub fn metrics(m: &Metrics, dir: &Path) -> Result<()> {
 
 /// `attacks.png`: per attack, how much worse the final loss is than the honest-only run, one
 /// bar per hostile fraction, defences on (the rows with `defence == "full"`).
-pub fn attacks(rows: &[Row], title: &str, out: &Path) -> Result<()> {
+pub(crate) fn attacks(rows: &[Row], title: &str, out: &Path) -> Result<()> {
     let full: Vec<&Row> = rows.iter().filter(|r| r.defence == "full").collect();
     let mut cats: Vec<String> = Vec::new();
     let mut fractions: Vec<f64> = Vec::new();
