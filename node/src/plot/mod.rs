@@ -43,7 +43,13 @@ pub(crate) type Series = (String, Vec<(f64, f64)>, RGBColor);
 
 /// A line chart over a step axis starting at 0; `log_y` drops non-positive points. Non-finite
 /// points do not stretch the axes.
-pub(crate) fn lines(out: &Path, title: &str, ylabel: &str, series: &[Series], log_y: bool) -> Result<()> {
+pub(crate) fn lines(
+    out: &Path,
+    title: &str,
+    ylabel: &str,
+    series: &[Series],
+    log_y: bool,
+) -> Result<()> {
     let root = BitMapBackend::new(out, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let pts = series
