@@ -5,32 +5,29 @@
 //! Time given to the engine is unix milliseconds: the run's step clock is wall-clock time, the
 //! same on every machine up to skew (which the run's grace absorbs).
 //!
-//! Checkpoints, both ways:
+//! Checkpoints, both ways (the decisions are the engine's, `protocol::engine::sync`; this loop
+//! moves the bytes):
 //! * Serving: after every applied step the trainer hands over a [`Snapshot`] of the parameters
-//!   (they change only when a step is applied); the newest [`KEEP_SNAPSHOTS`] are kept with a
-//!   signed manifest each, so a joiner's chunk requests keep reading one consistent version
-//!   while training goes on. Only a synced node serves, and it serves the *oldest* kept
-//!   version at least the one asked for, so peers a step apart still hand out the same one.
-//! * Joining: the engine's `RequestCheckpoint` starts a [`CheckpointDownload`] (manifests from
-//!   up to four of the attesting peers, two of which must agree, chunks spread across those
-//!   and verified one by one); the tensors go to the trainer, and `CheckpointLoaded` goes to
-//!   the engine, which syncs only if the swarm attested that (version, digest). Servers that
-//!   provably lied are banned (blacklisted in gossipsub, disconnected, refused thereafter).
+//!   (they change only when a step is applied); the newest [`KEEP_SNAPSHOTS`] are kept here and
+//!   their manifests go to the engine (`Event::Snapshot`), which signs them. A peer's manifest
+//!   or chunk request goes to the engine (`Event::Requested`); its `Respond` is sent as is, its
+//!   `ServeChunk` is read from the snapshot of that version.
+//! * Joining: the engine's `Request`s (manifests, then chunks) go out over request-response and
+//!   their answers come back as `Response`/`RequestFailed`; its `LoadCheckpoint` goes to the
+//!   trainer, and `CheckpointLoaded` back to the engine. Servers it bans are blacklisted in
+//!   gossipsub, disconnected and refused thereafter, like every banned peer.
 //! * `--checkpoint-dir`: see `trainer` for the crash-safe writes; on start the newest
 //!   checkpoint that loads is resumed, and if the swarm has moved past it the engine fetches a
 //!   newer one from peers as above.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::net::{
-    self, Behaviour, BehaviourEvent, CheckpointDownload, DlAction, NetConfig, RateLimit, Request,
-    Transport,
-};
+use crate::net::{self, Behaviour, BehaviourEvent, NetConfig, RateLimit, Request, Transport};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use crypto::{ContentId, Digest, Identity, NodeId};
@@ -40,10 +37,10 @@ use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::gauge::Gauge;
-use protocol::checkpoint::CheckpointChunk;
-use protocol::engine::{Action, Engine, Event, Report, Verdict};
+use protocol::download;
+use protocol::engine::{Action, Engine, Event, Report, Verdict, KEEP_SNAPSHOTS};
 use protocol::run::RunConfig;
-use protocol::wire::{caps, Message};
+use protocol::wire::caps;
 use tokio::sync::mpsc;
 
 use crate::hostile::{falsify, Adversary, Forge, Hostile, Move};
@@ -335,19 +332,11 @@ struct Gauges {
 const MAX_TAGS: usize = 4096;
 /// Trainer command queue: a step's Train plus Applies in flight.
 const TRAINER_QUEUE: usize = 8;
-/// Parameter versions kept for serving checkpoints: a download in progress keeps reading its
-/// version for two more steps.
-pub const KEEP_SNAPSHOTS: usize = 3;
-/// Chunk size of served checkpoints: several chunks even for `tiny`, so a download spreads
-/// over its servers, and each well inside one request timeout on a slow link.
-const CHUNK_BYTES: u32 = 512 * 1024;
 /// Models up to this many parameters are snapshotted after every step; bigger ones only after
 /// a peer asked for a manifest recently (a copy per step would cost real time).
 const SNAPSHOT_EVERY_STEP_PARAMS: i64 = 16 << 20;
 /// Trainer commands queued beyond which spot checks are skipped (see `Action::SpotCheck`).
 const MAX_SPOT_BACKLOG: usize = 4;
-/// Outstanding checkpoint requests (manifests + chunks) of the one download.
-const MAX_CKPT_REQUESTS: usize = 64;
 
 struct Node {
     engine: Engine,
@@ -369,29 +358,18 @@ struct Node {
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
     forged: VecDeque<(ContentId, Vec<u8>)>,
-    /// Signs served manifests (the engine holds its own copy of the identity).
+    /// Signs forged frames of a hostile node (the engine holds its own copy of the identity).
     id: Identity,
-    /// Served versions, oldest first: the snapshot and its encoded `Message::Manifest`.
-    snapshots: VecDeque<(Arc<Snapshot>, Vec<u8>)>,
-    /// The model's tensors (name, shape), for checking manifests.
-    layout: Vec<(String, Vec<u32>)>,
+    /// Snapshots whose manifests the engine serves, oldest first (the bytes chunks are read
+    /// from).
+    snapshots: VecDeque<Arc<Snapshot>>,
     params: i64,
     snapshot_until: u64,
-    download: Option<CheckpointDownload>,
+    /// The engine's checkpoint requests in flight.
     ckpt_requests: HashMap<request_response::OutboundRequestId, (NodeId, Request)>,
-    /// A checkpoint request waiting out the back-off after a failed download.
-    ckpt_pending: Option<(u64, u64, Vec<NodeId>)>,
-    ckpt_retry_at: u64,
-    /// The checkpoint handed to the trainer to load.
-    loading: Option<Loading>,
-    /// The last checkpoint request: its min version and the peers that attested it.
-    ckpt_asked: (u64, Vec<NodeId>),
-    /// Peers banned for serving provably bad checkpoints.
-    banned: HashSet<PeerId>,
-    /// Peers never again asked for a checkpoint: they signed one the swarm does not attest.
-    /// Not cut off: their updates and summaries still count wherever the others count them
-    /// (bans are local; a node that alone dropped them would apply other sets than its peers).
-    ckpt_liars: HashSet<NodeId>,
+    /// Peers' checkpoint requests the engine is answering, by the token it was given.
+    inbound: HashMap<u64, request_response::ResponseChannel<Vec<u8>>>,
+    next_token: u64,
     role: Role,
     addr_file: Option<PathBuf>,
     listen_addrs: Vec<String>,
@@ -492,19 +470,6 @@ struct PerStep {
 /// the slower kademlia walks find the rest.
 const DISCOVER_ENOUGH_PEERS: usize = 4;
 
-/// A downloaded checkpoint the trainer is loading.
-struct Loading {
-    version: u64,
-    digest: Digest,
-    /// The agreeing servers it came from.
-    servers: Vec<NodeId>,
-    /// Servers that signed the same version with another digest.
-    dissenters: Vec<NodeId>,
-    /// The peers the request went to (they had attested `min_version`).
-    asked: Vec<NodeId>,
-    min_version: u64,
-}
-
 /// Steps of per-step bookkeeping kept (status lines are written a step behind at most).
 const KEEP_STEPS: usize = 64;
 
@@ -570,15 +535,41 @@ impl Node {
                     .send_request(&net::peer_id(&peer), Request::Blob(blob));
                 self.fetches.insert(r, (peer, blob));
             }
-            Action::RequestCheckpoint { min_version, peers } => {
-                let now = now_ms();
-                if now < self.ckpt_retry_at {
-                    // Right after a failure every peer would give the same answer: back off.
-                    self.ckpt_pending = Some((self.ckpt_retry_at, min_version, peers));
-                } else {
-                    self.start_download(min_version, peers, now);
+            Action::Request { peer, req } => {
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .rr
+                    .send_request(&net::peer_id(&peer), req.clone());
+                self.ckpt_requests.insert(id, (peer, req));
+            }
+            Action::Respond { token, bytes } => self.respond(token, bytes),
+            Action::ServeChunk {
+                token,
+                version,
+                index,
+                offset,
+                len,
+            } => {
+                let frame = self
+                    .snapshots
+                    .iter()
+                    .find(|s| s.version == version)
+                    .map(|s| s.stream_range(offset, len))
+                    .map(|data| download::chunk_frame(self.engine.run_id(), version, index, data));
+                self.respond(token, frame.unwrap_or_default());
+            }
+            Action::Snapshot => {
+                // Someone is joining: a large model keeps snapshots for a while so that its
+                // retry finds one (a small one takes one after every step anyway).
+                if self.params > SNAPSHOT_EVERY_STEP_PARAMS {
+                    self.snapshot_until = now_ms() + 20 * self.engine.run().timing.period_ms;
+                    self.to_trainer(Cmd::Snapshot);
                 }
             }
+            Action::LoadCheckpoint {
+                version, tensors, ..
+            } => self.to_trainer(Cmd::Load { version, tensors }),
             Action::StartStep { step, .. } => {
                 // Seeds and relays follow the run without training.
                 if self.done_at.is_none() && self.role == Role::Trainer {
@@ -681,6 +672,49 @@ impl Node {
                 }
                 keep_recent(&mut self.per_step.arrivals);
             }
+            Report::CheckpointRequested { min_version, peers } => {
+                let names: Vec<String> = peers.iter().map(|p| p.peer_id_string()).collect();
+                self.show(crate::tui::Update::Checkpoint(format!(
+                    "downloading ≥ v{min_version} from {} peers",
+                    peers.len()
+                )));
+                tracing::info!(
+                    min_version,
+                    peers = peers.len(),
+                    "requesting a checkpoint from {}",
+                    names.join(" ")
+                );
+            }
+            Report::CheckpointLiar { peer } => tracing::warn!(
+                %peer,
+                "banned from serving checkpoints: served a false checkpoint"
+            ),
+            Report::CheckpointFailed { reason } => {
+                tracing::warn!("checkpoint download failed: {reason}")
+            }
+            Report::CheckpointLoaded {
+                version,
+                digest,
+                servers,
+                synced,
+            } => {
+                tracing::info!(
+                    version,
+                    digest = %&digest.to_hex()[..12],
+                    servers,
+                    synced,
+                    "checkpoint loaded"
+                );
+                self.to_trainer(Cmd::Snapshot);
+                // Written to disk only once the engine is synced on it (now, or when the
+                // swarm's attestation comes): a checkpoint nobody attested must not be
+                // resumed after a restart, nor prune the honest files beside it.
+                if synced {
+                    self.save_checkpoint();
+                } else {
+                    self.unsaved_load = Some(version);
+                }
+            }
             other => tracing::info!("{other:?}"),
         }
     }
@@ -701,7 +735,7 @@ impl Node {
                     }
                 }
             }
-            SwarmEvent::ConnectionEstablished { peer_id, .. } if self.banned.contains(&peer_id) => {
+            SwarmEvent::ConnectionEstablished { peer_id, .. } if self.is_banned(&peer_id) => {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
             }
             SwarmEvent::ConnectionClosed {
@@ -782,8 +816,25 @@ impl Node {
                 request_response::Message::Request {
                     request, channel, ..
                 } => {
-                    if self.banned.contains(&peer) || !self.rate.allow(peer, now_ms()) {
+                    if self.is_banned(&peer) || !self.rate.allow(peer, now_ms()) {
                         // Dropping the channel tells the peer we refused.
+                        return;
+                    }
+                    if let Request::Manifest { .. } | Request::Chunk { .. } = request {
+                        // The engine decides (`Respond` / `ServeChunk`, answered at once).
+                        let Some(from) = net::node_id(&peer) else {
+                            return;
+                        };
+                        self.next_token += 1;
+                        let token = self.next_token;
+                        self.inbound.insert(token, channel);
+                        self.feed(Event::Requested {
+                            peer: from,
+                            token,
+                            req: request,
+                        });
+                        // Unanswered (never, today): dropping the channel refuses.
+                        self.inbound.remove(&token);
                         return;
                     }
                     let resp = match request {
@@ -807,8 +858,7 @@ impl Node {
                                 f.map(|(_, b)| b.clone())
                             })
                             .unwrap_or_default(),
-                        Request::Manifest { min_version } => self.serve_manifest(min_version),
-                        Request::Chunk { version, index } => self.serve_chunk(version, index),
+                        Request::Manifest { .. } | Request::Chunk { .. } => Vec::new(),
                     };
                     let _ = self.swarm.behaviour_mut().rr.send_response(channel, resp);
                 }
@@ -817,11 +867,11 @@ impl Node {
                     response,
                 } => {
                     if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
-                        let acts = match &mut self.download {
-                            Some(d) => d.on_response(from, &req, &response, now_ms()),
-                            None => Vec::new(),
-                        };
-                        self.on_download(acts);
+                        self.feed(Event::Response {
+                            peer: from,
+                            req,
+                            bytes: response,
+                        });
                         return;
                     }
                     if let Some((from, blob)) = self.fetches.remove(&request_id) {
@@ -842,11 +892,7 @@ impl Node {
             } => {
                 if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
                     tracing::debug!(%from, %error, ?req, "checkpoint request failed");
-                    let acts = match &mut self.download {
-                        Some(d) => d.on_failure(from, &req, now_ms()),
-                        None => Vec::new(),
-                    };
-                    self.on_download(acts);
+                    self.feed(Event::RequestFailed { peer: from, req });
                     return;
                 }
                 if let Some((from, blob)) = self.fetches.remove(&request_id) {
@@ -986,42 +1032,34 @@ impl Node {
     // checkpoints (see the module docs)
 
     fn add_snapshot(&mut self, snap: Arc<Snapshot>) {
-        if self.layout.is_empty() {
-            self.layout = snap
-                .tensors
-                .iter()
-                .map(|(n, s, _)| (n.clone(), s.clone()))
-                .collect();
-        }
         if self
             .snapshots
             .back()
-            .is_some_and(|(s, _)| s.version >= snap.version)
+            .is_some_and(|s| s.version >= snap.version)
         {
             // A reload to an older version (a resync): what we served is no longer ours.
             if self
                 .snapshots
                 .back()
-                .is_some_and(|(s, _)| s.version > snap.version)
+                .is_some_and(|s| s.version > snap.version)
             {
                 self.snapshots.clear();
             } else {
                 return;
             }
         }
-        let chunk = CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32);
         let snap = match &self.hostile {
             Some(h) if h.kind == Adversary::FalseCheckpoint => Arc::new(falsify(&snap)),
             _ => snap,
         };
-        let m = net::build_manifest(
-            &self.id,
+        let manifest = download::manifest_of(
             self.engine.run_id(),
+            &self.engine.run().limits,
+            self.engine.node_id(),
             snap.version,
-            chunk,
             &snap.tensors,
         );
-        if m.body.digest.0 != snap.digest {
+        if manifest.digest.0 != snap.digest {
             // The trainer's digest and the manifest's are computed the same way; a mismatch is
             // a bug, and serving it would get this node banned by every joiner.
             tracing::error!(
@@ -1030,147 +1068,23 @@ impl Node {
             );
             return;
         }
-        let frame = Message::Manifest(m).encode();
-        if frame.len() as u64 > self.engine.run().limits.max_manifest_bytes as u64 {
-            tracing::warn!(
-                bytes = frame.len(),
-                "manifest over the run's max_manifest_bytes: not serving checkpoints"
-            );
-            return;
-        }
-        self.snapshots.push_back((snap, frame));
+        self.snapshots.push_back(snap);
         while self.snapshots.len() > KEEP_SNAPSHOTS {
             self.snapshots.pop_front();
         }
+        self.feed(Event::Snapshot { manifest });
     }
 
-    /// Serve only what this node stands behind: it is synced, and the version is one it
-    /// applied (or loaded) and the engine still holds as its history.
-    fn serving(&self) -> bool {
-        self.engine.status().synced
+    /// Answer a peer's checkpoint request as the engine said (empty bytes: "not here").
+    fn respond(&mut self, token: u64, bytes: Vec<u8>) {
+        if let Some(ch) = self.inbound.remove(&token) {
+            let _ = self.swarm.behaviour_mut().rr.send_response(ch, bytes);
+        }
     }
 
-    fn serve_manifest(&mut self, min_version: u64) -> Vec<u8> {
-        if !self.serving() {
-            return Vec::new();
-        }
-        let now = now_ms();
-        let found = self
-            .snapshots
-            .iter()
-            .find(|(s, _)| s.version >= min_version)
-            .map(|(_, f)| f.clone());
-        // Only a version this node holds or has passed can be snapshotted for a retry: a
-        // request for a later one (`min_version: u64::MAX`, from anyone) used to make a large
-        // model copy its full parameters after every step for a while.
-        let servable = min_version <= self.engine.status().version;
-        if found.is_none() && servable && self.params > SNAPSHOT_EVERY_STEP_PARAMS {
-            // Someone is joining: keep snapshots for a while so its retry finds one.
-            self.snapshot_until = now + 20 * self.engine.run().timing.period_ms;
-            self.to_trainer(Cmd::Snapshot);
-        }
-        found.unwrap_or_default()
-    }
-
-    fn serve_chunk(&self, version: u64, index: u32) -> Vec<u8> {
-        if !self.serving() {
-            return Vec::new();
-        }
-        let Some((snap, _)) = self.snapshots.iter().find(|(s, _)| s.version == version) else {
-            return Vec::new();
-        };
-        let chunk =
-            CHUNK_BYTES.min(self.engine.run().limits.max_checkpoint_chunk_bytes as u32) as u64;
-        let total: u64 = snap.tensors.iter().map(|(_, _, b)| b.len() as u64).sum();
-        let start = index as u64 * chunk;
-        if start >= total {
-            return Vec::new();
-        }
-        let data = snap.stream_range(start, chunk.min(total - start));
-        Message::Chunk(CheckpointChunk {
-            run: self.engine.run_id(),
-            version,
-            index,
-            data,
-        })
-        .encode()
-    }
-
-    fn start_download(&mut self, min_version: u64, peers: Vec<NodeId>, now: u64) {
-        if self.download.as_ref().is_some_and(|d| !d.finished()) || self.loading.is_some() {
-            return;
-        }
-        let peers: Vec<NodeId> = peers
-            .into_iter()
-            .filter(|p| !self.banned.contains(&net::peer_id(p)) && !self.ckpt_liars.contains(p))
-            .collect();
-        let t = &self.engine.run().timing;
-        let (manifest_ms, total_ms) = (t.period_ms.max(1000), 6 * t.period_ms.max(1000));
-        let names: Vec<String> = peers.iter().map(|p| p.peer_id_string()).collect();
-        self.show(crate::tui::Update::Checkpoint(format!(
-            "downloading ≥ v{min_version} from {} peers",
-            peers.len()
-        )));
-        tracing::info!(
-            min_version,
-            peers = peers.len(),
-            "requesting a checkpoint from {}",
-            names.join(" ")
-        );
-        self.ckpt_asked = (min_version, peers.clone());
-        let (d, acts) = CheckpointDownload::start(
-            self.engine.run_id(),
-            self.engine.run().limits.clone(),
-            self.layout.clone(),
-            min_version,
-            &peers,
-            now,
-            manifest_ms,
-            total_ms,
-        );
-        self.download = Some(d);
-        self.on_download(acts);
-    }
-
-    fn on_download(&mut self, acts: Vec<DlAction>) {
-        for a in acts {
-            match a {
-                DlAction::Ask { peer, request } => {
-                    if self.ckpt_requests.len() >= MAX_CKPT_REQUESTS {
-                        // Bounded; the download's deadline turns this into a failure.
-                        continue;
-                    }
-                    let id = self
-                        .swarm
-                        .behaviour_mut()
-                        .rr
-                        .send_request(&net::peer_id(&peer), request.clone());
-                    self.ckpt_requests.insert(id, (peer, request));
-                }
-                DlAction::Ban { peer, reason } => self.ban(peer, &reason),
-                DlAction::Done {
-                    version,
-                    digest,
-                    tensors,
-                    servers,
-                    dissenters,
-                } => {
-                    self.loading = Some(Loading {
-                        version,
-                        digest,
-                        servers,
-                        dissenters,
-                        asked: self.ckpt_asked.1.clone(),
-                        min_version: self.ckpt_asked.0,
-                    });
-                    self.to_trainer(Cmd::Load { version, tensors });
-                }
-                DlAction::Failed { reason } => {
-                    tracing::warn!("checkpoint download failed: {reason}");
-                    self.download_failed();
-                }
-            }
-        }
+    /// Whether the engine banned this peer (the one ban list; the transport refuses it).
+    fn is_banned(&self, peer: &PeerId) -> bool {
+        net::node_id(peer).is_some_and(|n| self.engine.is_banned(&n))
     }
 
     /// Save the parameters into `--checkpoint-dir`, if one was given.
@@ -1180,19 +1094,6 @@ impl Node {
         }
     }
 
-    fn download_failed(&mut self) {
-        self.ckpt_requests.clear();
-        self.ckpt_retry_at = now_ms() + self.engine.run().timing.period_ms / 2;
-        self.feed(Event::CheckpointFailed);
-    }
-
-    /// A provably bad checkpoint server: banned here for good, and reported.
-    fn ban(&mut self, peer: NodeId, reason: &str) {
-        tracing::warn!(%peer, reason, "banned: bad checkpoint");
-        self.banned.insert(net::peer_id(&peer));
-        self.cut_off(&peer);
-    }
-
     /// No more gossip from or to `peer`, and its connections closed.
     fn cut_off(&mut self, peer: &NodeId) {
         let p = net::peer_id(peer);
@@ -1200,92 +1101,18 @@ impl Node {
         let _ = self.swarm.disconnect_peer_id(p);
     }
 
+    /// The trainer loaded a checkpoint the engine asked for: tell the engine what it holds
+    /// (it answers `Report::CheckpointLoaded` if that is what the manifest named).
     fn on_loaded(&mut self, version: u64, digest: Result<[u8; 32], String>) {
-        let Some(Loading {
-            version: want_v,
-            digest: want_d,
-            servers,
-            dissenters,
-            asked,
-            min_version,
-        }) = self.loading.take()
-        else {
-            return;
-        };
         match digest {
-            Ok(d) if version == want_v && Digest(d) == want_d => {
-                self.feed(Event::CheckpointLoaded {
-                    version,
-                    digest: want_d,
-                });
-                let synced = self.engine.status().synced;
-                tracing::info!(
-                    version,
-                    digest = %&want_d.to_hex()[..12],
-                    servers = servers.len(),
-                    synced,
-                    "checkpoint loaded"
-                );
-                let attested = self.engine.attested_digest(version);
-                for s in contradicted_attesters(
-                    synced,
-                    (version, want_d),
-                    min_version,
-                    attested,
-                    &servers,
-                    &asked,
-                ) {
-                    self.ban(s, "signed a manifest against its own attested digest");
-                }
-                if synced {
-                    // What we loaded is what a quorum attests: a signed manifest of the same
-                    // version with another digest is a false checkpoint (SECURITY.md).
-                    for d in dissenters {
-                        tracing::warn!(
-                            peer = %d,
-                            "banned from serving checkpoints: signed a false checkpoint of the attested version"
-                        );
-                        self.ckpt_liars.insert(d);
-                    }
-                }
-                self.to_trainer(Cmd::Snapshot);
-                // Written to disk only once the engine is synced on it (now, or when the
-                // swarm's attestation comes): a checkpoint nobody attested must not be resumed
-                // after a restart, nor prune the honest files beside it.
-                if synced {
-                    self.save_checkpoint();
-                } else {
-                    self.unsaved_load = Some(version);
-                }
-            }
-            Ok(_) => {
-                tracing::warn!(
-                    version,
-                    "loaded checkpoint digest differs from its manifest"
-                );
-                self.download_failed();
-            }
+            Ok(d) => self.feed(Event::CheckpointLoaded {
+                version,
+                digest: Digest(d),
+            }),
             Err(e) => {
                 tracing::warn!(version, "checkpoint did not load: {e}");
-                self.download_failed();
+                self.feed(Event::CheckpointFailed);
             }
-        }
-    }
-
-    /// Checkpoint deadlines and the back-off; called from the loop's periodic tick.
-    fn tick_checkpoints(&mut self) {
-        let now = now_ms();
-        if let Some(d) = &mut self.download {
-            let acts = d.tick(now);
-            self.on_download(acts);
-        }
-        if self
-            .ckpt_pending
-            .as_ref()
-            .is_some_and(|(at, _, _)| now >= *at)
-        {
-            let (_, v, peers) = self.ckpt_pending.take().expect("checked");
-            self.start_download(v, peers, now);
         }
     }
 
@@ -1370,31 +1197,6 @@ impl Node {
     fn show(&self, u: crate::tui::Update) {
         self.report.show(u);
     }
-}
-
-/// The servers of a loaded checkpoint that provably contradicted themselves: each was asked
-/// because it attested `min_version` with the swarm's digest in a signed summary, then signed
-/// a manifest of that version with the digest just loaded, which the engine does not accept.
-/// Only while the swarm's attested digest for the version is still known and differs: once
-/// the attestation has aged out of the engine's window (a slow download, a swarm that moved
-/// on), "not synced" is no evidence against anyone, and banning then cut honest servers off.
-fn contradicted_attesters(
-    synced: bool,
-    loaded: (u64, Digest),
-    min_version: u64,
-    attested: Option<Digest>,
-    servers: &[NodeId],
-    asked: &[NodeId],
-) -> Vec<NodeId> {
-    let (version, digest) = loaded;
-    if synced || version != min_version || attested.is_none_or(|a| a == digest) {
-        return Vec::new();
-    }
-    servers
-        .iter()
-        .filter(|s| asked.contains(s))
-        .copied()
-        .collect()
 }
 
 async fn serve_metrics(addr: SocketAddr, reg: Arc<Mutex<libp2p::metrics::Registry>>) -> Result<()> {
@@ -1608,8 +1410,7 @@ struct Started {
     params: i64,
     /// The version resumed from the checkpoint directory (0: none).
     resumed: u64,
-    /// The first snapshot: the model's layout (for checking manifests), and the version served
-    /// from the start.
+    /// The first snapshot: the version served from the start.
     first: Arc<Snapshot>,
 }
 
@@ -1801,17 +1602,11 @@ impl Node {
             forged: VecDeque::new(),
             id: Identity::from_seed(cfg.id.seed()),
             snapshots: VecDeque::new(),
-            layout: Vec::new(),
             params: started.params,
             snapshot_until: 0,
-            download: None,
             ckpt_requests: HashMap::new(),
-            ckpt_pending: None,
-            ckpt_retry_at: 0,
-            loading: None,
-            ckpt_asked: (0, Vec::new()),
-            banned: HashSet::new(),
-            ckpt_liars: HashSet::new(),
+            inbound: HashMap::new(),
+            next_token: 0,
             role: cfg.role,
             addr_file: cfg.addr_file.clone(),
             listen_addrs: Vec::new(),
@@ -1933,7 +1728,6 @@ impl Node {
         // Timer events are idempotent: a periodic one is a safety net beside the engine's own
         // deadline (`poll_timeout`).
         self.feed(Event::Timer);
-        self.tick_checkpoints();
         self.flush_trainer();
         self.done_at.is_some_and(|d| now_ms() >= d)
     }
@@ -1983,36 +1777,5 @@ mod run_file_tests {
             .expect("tiny-local-steps.toml runs local steps");
         assert_eq!(l.inner_steps, 2);
         assert_eq!(local.nominal_tokens(), 4 * 64 * 2);
-    }
-}
-
-#[cfg(test)]
-mod checkpoint_ban_tests {
-    use super::{contradicted_attesters, Digest, NodeId};
-
-    #[test]
-    fn servers_are_banned_only_on_evidence_the_engine_still_holds() {
-        let (a, b, c) = (NodeId([1; 32]), NodeId([2; 32]), NodeId([3; 32]));
-        let (loaded, other) = (Digest([7; 32]), Digest([8; 32]));
-        let servers = [a, b];
-        let asked = [a, c];
-        // Attested digest known and different: the asked servers that served it lied.
-        assert_eq!(
-            contradicted_attesters(false, (5, loaded), 5, Some(other), &servers, &asked),
-            vec![a]
-        );
-        // The attestation aged out (a slow download, a swarm that moved on): no evidence.
-        assert!(contradicted_attesters(false, (5, loaded), 5, None, &servers, &asked).is_empty());
-        // It attests what was loaded, synced, or a newer version than asked for: nothing.
-        assert!(
-            contradicted_attesters(false, (5, loaded), 5, Some(loaded), &servers, &asked)
-                .is_empty()
-        );
-        assert!(
-            contradicted_attesters(true, (5, loaded), 5, Some(other), &servers, &asked).is_empty()
-        );
-        assert!(
-            contradicted_attesters(false, (6, loaded), 5, Some(other), &servers, &asked).is_empty()
-        );
     }
 }

@@ -14,9 +14,9 @@
 //!   checkpoints (a signed manifest for a minimum version, then chunks by (version, index)).
 //!   Every frame is length-prefixed and its length is checked against a cap before anything is
 //!   allocated; requests have fixed lengths per kind.
-//! * The requests themselves and [`CheckpointDownload`], the joiner's side of a checkpoint
-//!   transfer, are sans-IO and live in `protocol::download` (re-exported here), where they are
-//!   tested and fuzzed without a network.
+//! * The requests themselves live in `protocol::download` (re-exported here); what is asked,
+//!   answered and believed is the engine's (`protocol::engine::sync`), tested and fuzzed
+//!   without a network.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io;
@@ -37,9 +37,7 @@ use libp2p::{
 use protocol::run::RunConfig;
 use thiserror::Error;
 
-pub use protocol::download::{
-    build_manifest, CheckpointDownload, DlAction, Request, MANIFEST_PEERS, MAX_CHUNKS_INFLIGHT,
-};
+pub use protocol::download::Request;
 
 pub const REQ_PROTOCOL: &str = "/swarm/req/1";
 pub const KAD_PROTOCOL: &str = "/swarm/kad/1";

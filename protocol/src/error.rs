@@ -113,6 +113,9 @@ pub enum Offence {
     Copy,
     #[error("served a checkpoint whose digest the swarm does not attest")]
     FalseCheckpoint,
+    /// A checkpoint server sent something provably wrong (see `download::Fault`).
+    #[error("bad checkpoint: {0}")]
+    BadCheckpoint(Box<crate::download::Fault>),
 }
 
 impl From<SparseError> for Offence {
@@ -143,6 +146,9 @@ impl Offence {
             // its reputation table and bans only persistent offenders (see SECURITY.md).
             HarmfulUpdate | Copy => 10,
             FalseCheckpoint => 1000,
+            // Provable, but to this node alone: penalized once, never asked for a checkpoint
+            // again, not banned (see `engine::sync::on_download`).
+            BadCheckpoint(_) => 20,
             // One step either side is what an honest relay's clock skew (or a message that
             // crossed a step boundary on the way) produces: no misconduct.
             StepOutOfWindow { step, lo, hi }

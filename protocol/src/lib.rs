@@ -6,8 +6,8 @@
 pub mod cbor;
 pub mod checkpoint;
 pub mod config;
-pub mod download;
 pub mod engine;
+pub use engine::download;
 pub mod error;
 pub mod rng;
 pub mod run;

@@ -181,26 +181,42 @@ fn a_newcomer_is_on_probation_until_it_passes_a_check() {
     assert!(sim.nodes[0].engine.reputation(&newcomer) > 0);
 }
 
+/// A server of provably bad checkpoints is penalized and never asked for one again; not
+/// banned, since the evidence is the joiner's alone (a ban would leave its updates out there
+/// only: see `engine::sync::on_download`).
 #[test]
-fn a_false_checkpoint_server_is_banned() {
-    let mut sim = Sim::new(test_run(false), 3);
+fn a_false_checkpoint_server_is_found_out_and_never_asked_again() {
+    let mut sim = Sim::new(test_run(false), 4);
+    // Node 1 (among the first attesters the joiner hears) corrupts every checkpoint answer it
+    // serves: its manifests no longer verify.
+    sim.liars.insert(1);
     sim.run_until(GENESIS + 4 * PERIOD);
-    let liar = sim.nodes[2].id;
-    // What the swarm attests for the version it is at, as a joiner's shell checks a manifest.
-    // (Summaries attest the version a node held when it sent them: the one before the last.)
-    let v = sim.nodes[0].engine.status().version - 1;
-    let attested = sim.nodes[1].engine.attested_digest(v);
-    let h = sim.history(0);
-    assert_eq!(attested, Some(h[&(v - 1)].1));
-    // The shell saw a manifest from the liar whose digest differs: it reports the liar.
-    sim.push(
-        GENESIS + 4 * PERIOD + 10,
-        0,
-        protocol::engine::Event::BadCheckpoint { from: liar },
-    );
-    sim.run_until(GENESIS + 5 * PERIOD);
-    assert!(sim.nodes[0].engine.is_banned(&liar));
-    assert!(penalized_for(&sim, 0, &liar, |e| *e == Offence::FalseCheckpoint));
+    let liar = sim.nodes[1].id;
+    let j = sim.add_node(9, None);
+    sim.run_until(GENESIS + 12 * PERIOD);
+    // The joiner asked the liar among the attesters, found it out, and synced from the others.
+    assert!(sim.actions(j).any(|a| matches!(
+        a,
+        Action::Request { peer, .. } if *peer == liar
+    )));
+    assert!(sim.nodes[j].engine.is_checkpoint_liar(&liar));
+    assert!(!sim.nodes[j].engine.is_banned(&liar));
+    assert!(penalized_for(&sim, j, &liar, |e| matches!(
+        e,
+        Offence::BadCheckpoint(_)
+    )));
+    assert!(sim.nodes[j].engine.status().synced);
+    // Never asked again once found out.
+    let asked_after = sim.nodes[j]
+        .log
+        .iter()
+        .skip_while(
+            |(_, a)| !matches!(a, Action::Report(Report::CheckpointLiar { peer }) if *peer == liar),
+        )
+        .any(|(_, a)| matches!(a, Action::Request { peer, .. } if *peer == liar));
+    assert!(!asked_after);
+    // Its updates still count at the joiner, as everywhere else.
+    assert_agree(&sim, &[0, 1, 2, 3, j], 11);
 }
 
 /// The last step at which any honest node included the harmful node's update.

@@ -56,7 +56,8 @@ fn desynced(sim: &Sim, i: usize) -> bool {
 
 fn asked_any_of(sim: &Sim, i: usize, who: &[NodeId]) -> bool {
     sim.actions(i).any(|a| {
-        matches!(a, Action::RequestCheckpoint { peers, .. } if peers.iter().any(|p| who.contains(p)))
+        matches!(a, Action::Report(Report::CheckpointRequested { peers, .. })
+            if peers.iter().any(|p| who.contains(p)))
     })
 }
 
@@ -172,7 +173,7 @@ fn a_checkpoint_whose_digest_the_swarm_contradicts_is_dropped_at_once() {
         let t = sim.now + 1;
         sim.run_until(t);
         version = sim.actions(j).find_map(|a| match a {
-            Action::RequestCheckpoint { min_version, .. } => Some(*min_version),
+            Action::Report(Report::CheckpointRequested { min_version, .. }) => Some(*min_version),
             _ => None,
         });
     }

@@ -359,7 +359,7 @@ fn a_joiner_takes_a_checkpoint_and_catches_up() {
     assert!(sim.nodes[j].engine.status().synced);
     assert!(sim
         .actions(j)
-        .any(|a| matches!(a, Action::RequestCheckpoint { .. })));
+        .any(|a| matches!(a, Action::Report(Report::CheckpointRequested { .. }))));
     assert!(
         sim.history(j).len() >= 4,
         "joiner applied {:?}",

@@ -70,6 +70,32 @@ pub struct Metrics {
     /// defences; absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adversary: Option<Adversary>,
+    /// Checkpoint transfers (engine mode; only when some node asked for one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<Checkpoints>,
+}
+
+/// Checkpoint downloads and the liars among their servers (`[[checkpoint_liar]]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoints {
+    /// Downloads started, requests sent (manifests and chunks), checkpoints loaded, and
+    /// downloads (or loads) that failed.
+    pub downloads: u64,
+    pub requests: u64,
+    pub loads: u64,
+    pub failures: u64,
+    /// Nodes that synced on a loaded checkpoint.
+    pub synced: u64,
+    /// Requests sent to a lying server; of them, by a node that had already found it out.
+    pub liar_requests: u64,
+    pub liar_requests_after_caught: u64,
+    /// Times a node found a lying server out (`Report::CheckpointLiar`).
+    pub liars_found: u64,
+    /// At the end: (live node, liar) pairs where the node banned the liar or never asks it
+    /// for a checkpoint again.
+    pub liars_caught: u64,
+    /// Honest servers found out or banned for a checkpoint offence (should be 0).
+    pub false_accusations: u64,
 }
 
 /// What the attackers did and what the honest nodes did about it. "Hostile" counts every

@@ -49,8 +49,12 @@ pub struct ModelSpec {
     /// model a large model's update (e.g. 1.92 MB for `1.2b`) while the trainer and the engine
     /// work on this small layout: the blob bytes are modelled, not materialized.
     pub wire_blob_bytes: u64,
-    /// Bytes of a checkpoint download (0: the parameters as f32).
+    /// Bytes of a checkpoint download (0: the parameters as f32); each chunk response is
+    /// charged its share.
     pub checkpoint_bytes: u64,
+    /// The run's `max_checkpoint_chunk_bytes` (0: the run's default): small chunks spread a
+    /// download over more of its servers.
+    pub checkpoint_chunk_bytes: u32,
 }
 
 impl Default for ModelSpec {
@@ -63,6 +67,7 @@ impl Default for ModelSpec {
             ffn: 64,
             wire_blob_bytes: 0,
             checkpoint_bytes: 0,
+            checkpoint_chunk_bytes: 0,
         }
     }
 }
@@ -416,6 +421,29 @@ pub struct Scenario {
     /// Run the scenario once per node count listed here (the first class takes the count):
     /// the scale sweep. Empty: run it as written.
     pub sweep: Vec<usize>,
+    /// Nodes that lie when serving checkpoints (engine mode); otherwise honest.
+    #[serde(rename = "checkpoint_liar")]
+    pub checkpoint_liars: Vec<CheckpointLiar>,
+}
+
+/// A node that serves false checkpoints (`[[checkpoint_liar]] node = 3 lie = "chunk"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointLiar {
+    pub node: usize,
+    pub lie: Lie,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Lie {
+    /// Signs the true manifest and serves chunks with a byte flipped: provably wrong (the
+    /// chunk does not hash to what its own signed manifest says), so it is banned.
+    Chunk,
+    /// Signs a manifest of other parameters for the version asked (and serves them
+    /// faithfully): no provable lie by itself; once the joiner loads the attested checkpoint
+    /// from others, it never asks this server for one again.
+    Manifest,
 }
 
 impl Default for Scenario {
@@ -441,6 +469,7 @@ impl Default for Scenario {
             attackers: Vec::new(),
             defence: DefenceSpec::default(),
             sweep: Vec::new(),
+            checkpoint_liars: Vec::new(),
         }
     }
 }
@@ -547,6 +576,16 @@ impl Scenario {
             if self.mode == Mode::Flow && !matches!(a.attack, Attack::Withhold | Attack::Silent) {
                 return bad(format!("attacker {}: engine mode only", a.attack.name()));
             }
+        }
+        if let Some(l) = self
+            .checkpoint_liars
+            .iter()
+            .find(|l| l.node >= self.nodes())
+        {
+            return bad(format!("checkpoint_liar: no node {}", l.node));
+        }
+        if self.mode == Mode::Flow && !self.checkpoint_liars.is_empty() {
+            return bad("checkpoint_liar: engine mode only".into());
         }
         for f in &self.faults {
             if let Fault::Join { class, .. } = f {

@@ -55,6 +55,23 @@ pub trait Trainer {
     fn digest(&self, params: &[f32]) -> Digest {
         flat_digest(params)
     }
+    /// The parameters as the tensors a served checkpoint carries: (name, shape, f32
+    /// little-endian bytes), whose concatenation is `params` in order. Default: one tensor,
+    /// `params`, of the flat vector.
+    fn checkpoint_tensors(&self, params: &[f32]) -> Vec<(String, Vec<u32>, Vec<u8>)> {
+        let bytes = params.iter().flat_map(|x| x.to_le_bytes()).collect();
+        vec![("params".into(), vec![params.len() as u32], bytes)]
+    }
+    /// The digest engines attest and checkpoints name: the protocol's parameter digest of
+    /// [`Trainer::checkpoint_tensors`]. A real model's [`Trainer::digest`] already is that;
+    /// the synthetic trainer's metrics keep their flat hash.
+    fn wire_digest(&self, params: &[f32]) -> Digest {
+        let t = self.checkpoint_tensors(params);
+        protocol::checkpoint::f32_params_digest(
+            t.iter()
+                .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
+        )
+    }
     /// Forget a node's momentum (it crashed, or joined fresh).
     fn reset_node(&mut self, node: usize);
     /// The AdamW + all-reduce baseline's loss after each of `steps` steps with `nodes` nodes.

@@ -246,25 +246,31 @@ impl Trainer for Tiny {
 
     /// `protocol::checkpoint::params_digest` of the named tensors (= `Llama::digest`).
     fn digest(&self, params: &[f32]) -> Digest {
+        let t = self.checkpoint_tensors(params);
+        f32_params_digest(
+            t.iter()
+                .map(|(name, shape, b)| (name.as_str(), shape.as_slice(), b.as_slice())),
+        )
+    }
+
+    /// The named tensors, as `swarm run` serves them.
+    fn checkpoint_tensors(&self, params: &[f32]) -> Vec<(String, Vec<u32>, Vec<u8>)> {
         let mut off = 0;
-        let bytes: Vec<Vec<u8>> = self
-            .tensors
+        self.tensors
             .iter()
-            .map(|(_, _, n)| {
+            .map(|(name, shape, n)| {
                 let b = params[off..off + n]
                     .iter()
                     .flat_map(|v| v.to_le_bytes())
                     .collect();
                 off += n;
-                b
+                (name.clone(), shape.clone(), b)
             })
-            .collect();
-        f32_params_digest(
-            self.tensors
-                .iter()
-                .zip(&bytes)
-                .map(|((name, shape, _), b)| (name.as_str(), shape.as_slice(), b.as_slice())),
-        )
+            .collect()
+    }
+
+    fn wire_digest(&self, params: &[f32]) -> Digest {
+        self.digest(params)
     }
 
     fn reset_node(&mut self, node: usize) {

@@ -12,11 +12,19 @@
 //! 48 KiB inline limit): a request to the chosen holder, answered from its engine's
 //! `serve_update`; a lost request or response, a dead or partitioned peer is reported as
 //! `FetchFailed` after `fetch_timeout_ms`, and a holder without the blob answers at once.
+//!
+//! Checkpoints travel as the engines ask (`Action::Request`: manifests, then chunks), with the
+//! same latency, serialization and failures: a server is sent `Event::Requested`, takes a
+//! snapshot of its parameters first for a manifest request (`Event::Snapshot`; a real node
+//! takes one after every step), and its engine's `Respond`/`ServeChunk` is read from that
+//! snapshot (the trainer's `checkpoint_tensors`). `[[checkpoint_liar]]` nodes lie while
+//! serving (a flipped chunk byte, or a manifest of other parameters).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use crypto::{ContentId, Digest, Identity, NodeId};
+use protocol::download::{self, Request};
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
 use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
@@ -27,7 +35,7 @@ use crate::metrics::{finish, quantile, Adversary, Metrics, StepMetrics};
 use crate::net::{LinkProfile, Network, Partition};
 use crate::queue::{EventQueue, Micros};
 use crate::rng::{derive, Rng};
-use crate::scenario::{Fault, Scenario, TrainerKind};
+use crate::scenario::{Fault, Lie, Scenario, TrainerKind};
 use crate::synth::{Local, Synthetic, Trainer};
 use crate::SimError;
 
@@ -54,11 +62,11 @@ enum Ev {
         client: usize,
         blob: ContentId,
     },
-    Checkpoint {
-        node: usize,
-        params: Arc<Vec<f32>>,
-        version: u64,
-        digest: Digest,
+    /// A checkpoint request (manifest or chunk) reaches its server.
+    CkptReq {
+        server: usize,
+        client: usize,
+        req: Request,
     },
     Fault(usize),
     Recover(usize),
@@ -104,7 +112,11 @@ struct Node {
     role: Role,
     compute_ms: u64,
     params: Arc<Vec<f32>>,
+    /// The parameters' version and wire digest (`Trainer::wire_digest`, what engines see).
+    version: u64,
     digest: Digest,
+    /// Snapshots served as checkpoints, oldest first: (version, parameters).
+    snaps: Vec<(u64, Arc<Vec<f32>>)>,
     mesh: BTreeSet<usize>,
     seen: HashSet<ContentId>,
     timer: Option<u64>,
@@ -124,6 +136,9 @@ struct Applied {
     hostile: u32,
 }
 
+/// An apply result: (step, parameters, metrics digest, wire digest).
+type Cached = (u64, Arc<Vec<f32>>, Digest, Digest);
+
 pub struct World {
     sc: Scenario,
     run: RunConfig,
@@ -136,7 +151,7 @@ pub struct World {
     pending: HashMap<u64, (usize, usize, ContentId, Arc<Vec<u8>>)>,
     next_tag: u64,
     /// Apply results shared by nodes that apply the same set to the same parameters.
-    cache: HashMap<[u8; 32], (u64, Arc<Vec<f32>>, Digest)>,
+    cache: HashMap<[u8; 32], Cached>,
     losses: HashMap<Digest, f64>,
     wire_extra: u64,
     rng: Rng,
@@ -147,6 +162,18 @@ pub struct World {
     rejected: u64,
     events: u64,
     genesis: Digest,
+    /// The genesis parameters' wire digest (what engines start from).
+    genesis_wire: Digest,
+    /// The checkpoint tensors (name, shape) every engine checks manifests against.
+    ckpt_layout: Vec<(String, Vec<u32>)>,
+    /// Inbound checkpoint requests being served: token → (server, client, request).
+    ckpt_requests: HashMap<u64, (usize, usize, Request)>,
+    next_token: u64,
+    /// How each lying checkpoint server lies.
+    liars: HashMap<usize, Lie>,
+    /// (client, liar) pairs where the client banned the liar or found it out.
+    caught: HashSet<(usize, usize)>,
+    ckpt: crate::metrics::Checkpoints,
     /// Per step: (sum, count) of the train losses nodes reported (real trainers only).
     train_losses: BTreeMap<u64, (f64, u32)>,
     run_id: protocol::run::RunId,
@@ -214,6 +241,9 @@ fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn Tra
     // Every blob goes announce-then-fetch, the path real-size updates take (see the module
     // docs); results do not depend on it.
     run.limits.inline_blob_bytes = 0;
+    if sc.model.checkpoint_chunk_bytes > 0 {
+        run.limits.max_checkpoint_chunk_bytes = sc.model.checkpoint_chunk_bytes;
+    }
     // The scenario's defences (a run file keeps its own unless the scenario sets some).
     let defence = sc.defence.resolve()?;
     if !defence.is_off() || tr.run.is_empty() {
@@ -256,6 +286,12 @@ impl World {
         let wire_extra = sc.model.wire_blob_bytes.saturating_sub(actual);
         let init = Arc::new(trainer.init());
         let genesis = trainer.digest(&init);
+        let genesis_wire = trainer.wire_digest(&init);
+        let ckpt_layout = trainer
+            .checkpoint_tensors(&init)
+            .into_iter()
+            .map(|(n, s, _)| (n, s))
+            .collect();
         let classes = sc.node_classes();
         let net = Network::new(
             classes
@@ -284,6 +320,17 @@ impl World {
             rejected: 0,
             events: 0,
             genesis,
+            genesis_wire,
+            ckpt_layout,
+            ckpt_requests: HashMap::new(),
+            next_token: 1,
+            liars: sc
+                .checkpoint_liars
+                .iter()
+                .map(|l| (l.node, l.lie))
+                .collect(),
+            caught: HashSet::new(),
+            ckpt: Default::default(),
             train_losses: BTreeMap::new(),
             run_id,
             hostile_ids: HashSet::new(),
@@ -339,14 +386,15 @@ impl World {
         let incarnation = self.nodes.get(i).map_or(0, |n| n.incarnation + 1);
         let idn = identity(self.sc.seed, i + 100_000 * incarnation as usize);
         let id = idn.node_id();
-        let genesis = params.as_ref().map(|_| self.genesis);
-        let engine = Engine::new(
+        let genesis = params.as_ref().map(|_| self.genesis_wire);
+        let mut engine = Engine::new(
             self.run.clone(),
             idn,
             genesis,
             now_ms,
             self.sc.seed ^ i as u64,
         );
+        engine.set_checkpoint_layout(self.ckpt_layout.clone());
         let node = Node {
             engine: Some(engine),
             id,
@@ -354,7 +402,9 @@ impl World {
             role: Role::Honest,
             compute_ms,
             params: params.unwrap_or_default(),
+            version: 0,
             digest: genesis.unwrap_or_default(),
+            snaps: Vec::new(),
             mesh: BTreeSet::new(),
             seen: HashSet::new(),
             timer: None,
@@ -469,18 +519,11 @@ impl World {
                     client,
                     blob,
                 } => self.serve(server, client, blob, now),
-                Ev::Checkpoint {
-                    node,
-                    params,
-                    version,
-                    digest,
-                } => {
-                    if self.nodes[node].alive {
-                        self.nodes[node].params = params;
-                        self.nodes[node].digest = digest;
-                        self.deliver(node, Event::CheckpointLoaded { version, digest }, now);
-                    }
-                }
+                Ev::CkptReq {
+                    server,
+                    client,
+                    req,
+                } => self.serve_checkpoint(server, client, req, now),
                 Ev::Fault(fi) => self.fault(fi, now),
                 Ev::Recover(i) => {
                     let c = self.nodes[i].compute_ms;
@@ -719,51 +762,84 @@ impl World {
                     None => self.q.push(now + self.timeout(), fail),
                 }
             }
-            Action::RequestCheckpoint { peers, .. } => {
-                let src = peers
-                    .iter()
-                    .filter_map(|p| self.index.get(p).copied())
-                    .find(|&j| {
-                        self.nodes[j].alive
-                            && self.nodes[j]
-                                .engine
-                                .as_ref()
-                                .is_some_and(|e| e.status().synced)
-                    });
-                let Some(j) = src else {
-                    return self.q.push(
-                        now + 1_000_000,
-                        Ev::Engine {
-                            node: i,
-                            ev: Event::CheckpointFailed,
-                        },
-                    );
-                };
-                let st = self.nodes[j].engine.as_ref().expect("alive").status();
-                let bytes = match self.sc.model.checkpoint_bytes {
-                    0 => self.nodes[j].params.len() as u64 * 4,
-                    b => b,
-                };
-                // The snapshot is taken when the transfer starts, as a server streams a version.
-                let (params, digest) = (self.nodes[j].params.clone(), self.nodes[j].digest);
-                match self.net.send(j, i, bytes, now) {
-                    Ok(at) => self.q.push(
-                        at,
-                        Ev::Checkpoint {
-                            node: i,
-                            params,
-                            version: st.version,
-                            digest,
-                        },
-                    ),
-                    Err(_) => self.q.push(
-                        now + self.timeout(),
-                        Ev::Engine {
-                            node: i,
-                            ev: Event::CheckpointFailed,
-                        },
-                    ),
+            Action::Request { peer, req } => {
+                self.ckpt.requests += 1;
+                let j = self.index.get(&peer).copied();
+                if let Some(j) = j.filter(|j| self.liars.contains_key(j)) {
+                    self.ckpt.liar_requests += 1;
+                    let caught = self.caught.contains(&(i, j))
+                        || self.nodes[i]
+                            .engine
+                            .as_ref()
+                            .is_some_and(|e| e.is_banned(&peer) || e.is_checkpoint_liar(&peer));
+                    self.ckpt.liar_requests_after_caught += caught as u64;
                 }
+                let fail = Ev::Engine {
+                    node: i,
+                    ev: Event::RequestFailed {
+                        peer,
+                        req: req.clone(),
+                    },
+                };
+                match j.map(|j| (j, self.net.send(i, j, self.sc.gossip.request_bytes, now))) {
+                    Some((j, Ok(at))) => self.q.push(
+                        at,
+                        Ev::CkptReq {
+                            server: j,
+                            client: i,
+                            req,
+                        },
+                    ),
+                    _ => self.q.push(now + self.timeout(), fail),
+                }
+            }
+            Action::Respond { token, bytes } => self.respond(i, token, bytes, now),
+            Action::ServeChunk {
+                token,
+                version,
+                index,
+                offset,
+                len,
+            } => {
+                let snap = self.nodes[i].snaps.iter().find(|(v, _)| *v == version);
+                let frame = snap.map(|(_, p)| {
+                    let (lo, hi) = ((offset / 4) as usize, ((offset + len) / 4) as usize);
+                    let mut data: Vec<u8> = p[lo.min(p.len())..hi.min(p.len())]
+                        .iter()
+                        .flat_map(|x| x.to_le_bytes())
+                        .collect();
+                    if self.liars.get(&i) == Some(&Lie::Chunk) {
+                        if let Some(b) = data.first_mut() {
+                            *b ^= 0xff;
+                        }
+                    }
+                    download::chunk_frame(self.run_id, version, index, data)
+                });
+                self.respond(i, token, frame.unwrap_or_default(), now);
+            }
+            // Snapshots are taken on demand, before each manifest request is served.
+            Action::Snapshot => {}
+            Action::LoadCheckpoint {
+                version, tensors, ..
+            } => {
+                self.ckpt.loads += 1;
+                let params: Vec<f32> = tensors
+                    .iter()
+                    .flat_map(|t| t.chunks_exact(4))
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .collect();
+                let digest = self.trainer.wire_digest(&params);
+                let n = &mut self.nodes[i];
+                n.params = Arc::new(params);
+                n.version = version;
+                n.digest = digest;
+                self.q.push(
+                    now + 1000,
+                    Ev::Engine {
+                        node: i,
+                        ev: Event::CheckpointLoaded { version, digest },
+                    },
+                );
             }
             Action::StartStep { step, base_version } => {
                 let params = self.nodes[i].params.clone();
@@ -817,6 +893,16 @@ impl World {
                 let honest = self.nodes[i].role == Role::Honest;
                 match r {
                     Report::Desync { .. } => self.desyncs += 1,
+                    Report::CheckpointRequested { .. } => self.ckpt.downloads += 1,
+                    Report::CheckpointFailed { .. } => self.ckpt.failures += 1,
+                    Report::Synced { .. } => self.ckpt.synced += 1,
+                    Report::CheckpointLiar { peer } => match self.index.get(&peer) {
+                        Some(&j) if self.liars.contains_key(&j) => {
+                            self.caught.insert((i, j));
+                            self.ckpt.liars_found += 1;
+                        }
+                        _ => self.ckpt.false_accusations += 1,
+                    },
                     Report::Rejected { .. } => self.rejected += 1,
                     Report::SpotResult { sender, gain, .. } if honest => {
                         // `gain > 0` is the engine's pass rule (NaN fails).
@@ -850,10 +936,20 @@ impl World {
                     }
                 }
             }
-            Action::Ban { peer, .. } => {
+            Action::Ban { peer, reason } => {
                 // The shell disconnects a banned peer; gossipsub grafts others in its place.
                 if let Some(&j) = self.index.get(&peer) {
                     self.unlink(i, j, now);
+                    let ckpt = matches!(
+                        reason,
+                        protocol::error::Offence::BadCheckpoint(_)
+                            | protocol::error::Offence::FalseCheckpoint
+                    );
+                    if self.liars.contains_key(&j) {
+                        self.caught.insert((i, j));
+                    } else if ckpt && !self.hostile_ids.contains(&peer) {
+                        self.ckpt.false_accusations += 1;
+                    }
                 }
                 if self.nodes[i].role == Role::Honest {
                     if self.hostile_ids.contains(&peer) {
@@ -1149,8 +1245,8 @@ impl World {
             key.extend_from_slice(&u.blob.0);
         }
         let key = Digest::of(&key).0;
-        let (params, digest) = match self.cache.get(&key) {
-            Some((_, p, d)) => (p.clone(), *d),
+        let (params, digest, wire) = match self.cache.get(&key) {
+            Some((_, p, d, w)) => (p.clone(), *d, *w),
             None => {
                 let decoded: Vec<SparseUpdate> = updates
                     .iter()
@@ -1166,13 +1262,14 @@ impl World {
                     .collect();
                 let p = Arc::new(self.trainer.apply_round(step, &self.nodes[i].params, &set));
                 let d = self.trainer.digest(&p);
+                let w = self.trainer.wire_digest(&p);
                 if !self.losses.contains_key(&d) {
                     let l = self.trainer.eval(&p);
                     self.losses.insert(d, l);
                 }
-                self.cache.retain(|_, (s, _, _)| *s + 3 > step);
-                self.cache.insert(key, (step, p.clone(), d));
-                (p, d)
+                self.cache.retain(|_, (s, _, _, _)| *s + 3 > step);
+                self.cache.insert(key, (step, p.clone(), d, w));
+                (p, d, w)
             }
         };
         let start = self.run.timing.step_start(step) * 1000;
@@ -1184,7 +1281,8 @@ impl World {
             .map(|&t| t.saturating_sub(start) as f64 / 1000.0);
         n.arrivals.retain(|_, t| *t + 4 * 1000 * 1000 * 60 > now);
         n.params = params;
-        n.digest = digest;
+        n.version = step + 1;
+        n.digest = wire;
         let honest = n.role == Role::Honest;
         let hostile = updates
             .iter()
@@ -1202,9 +1300,86 @@ impl World {
             now + 1000,
             Ev::Engine {
                 node: i,
-                ev: Event::Applied { step, digest },
+                ev: Event::Applied { step, digest: wire },
             },
         );
+    }
+
+    /// A checkpoint request reaches `server`: its engine decides (`Respond`, `ServeChunk`).
+    fn serve_checkpoint(&mut self, server: usize, client: usize, req: Request, now: Micros) {
+        let peer = self.nodes[server].id;
+        if !self.nodes[server].alive || self.nodes[server].engine.is_none() {
+            let ev = Event::RequestFailed { peer, req };
+            return self
+                .q
+                .push(now + self.timeout(), Ev::Engine { node: client, ev });
+        }
+        if let Request::Manifest { .. } = req {
+            self.snapshot(server, now);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        self.ckpt_requests
+            .insert(token, (server, client, req.clone()));
+        let from = self.nodes[client].id;
+        let ev = Event::Requested {
+            peer: from,
+            token,
+            req,
+        };
+        self.deliver(server, ev, now);
+    }
+
+    /// `server` snapshots its parameters for serving, unless it holds that version already
+    /// (a liar of [`Lie::Manifest`] snapshots other parameters under the same version).
+    fn snapshot(&mut self, server: usize, now: Micros) {
+        let n = &self.nodes[server];
+        let v = n.version;
+        if n.snaps.iter().any(|(s, _)| *s == v) {
+            return;
+        }
+        let mut params = n.params.clone();
+        if self.liars.get(&server) == Some(&Lie::Manifest) {
+            let mut p = params.to_vec();
+            if let Some(x) = p.first_mut() {
+                *x += 1.0;
+            }
+            params = Arc::new(p);
+        }
+        let tensors = self.trainer.checkpoint_tensors(&params);
+        let manifest = download::manifest_of(self.run_id, &self.run.limits, n.id, v, &tensors);
+        let n = &mut self.nodes[server];
+        n.snaps.retain(|(s, _)| *s < v);
+        n.snaps.push((v, params));
+        if n.snaps.len() > protocol::engine::KEEP_SNAPSHOTS {
+            n.snaps.remove(0);
+        }
+        self.deliver(server, Event::Snapshot { manifest }, now);
+    }
+
+    /// `server` answers request `token` with `bytes` (empty: "not here").
+    fn respond(&mut self, server: usize, token: u64, bytes: Vec<u8>, now: Micros) {
+        let Some((_, client, req)) = self.ckpt_requests.remove(&token) else {
+            return;
+        };
+        let peer = self.nodes[server].id;
+        // A modelled checkpoint size is charged chunk by chunk, in proportion.
+        let real = self.nodes[server].params.len() as u64 * 4;
+        let charged = match (&req, self.sc.model.checkpoint_bytes) {
+            (Request::Chunk { .. }, b) if b > 0 && real > 0 => {
+                (bytes.len() as u64).saturating_mul(b) / real
+            }
+            _ => bytes.len() as u64,
+        };
+        let ev = match self.net.send(server, client, charged.max(64), now) {
+            Ok(at) => {
+                let ev = Event::Response { peer, req, bytes };
+                return self.q.push(at, Ev::Engine { node: client, ev });
+            }
+            Err(_) => Event::RequestFailed { peer, req },
+        };
+        self.q
+            .push(now + self.timeout(), Ev::Engine { node: client, ev });
     }
 
     fn adversary_stats(&self) -> Adversary {
@@ -1324,6 +1499,19 @@ impl World {
         finish(&mut m, &mut all_lat);
         if !self.sc.attackers.is_empty() || !self.run.defence.is_off() {
             m.adversary = Some(self.adversary_stats());
+        }
+        if self.ckpt.downloads > 0 {
+            let mut c = self.ckpt.clone();
+            for (i, n) in self.nodes.iter().enumerate() {
+                let Some(e) = n.engine.as_ref().filter(|_| n.alive) else {
+                    continue;
+                };
+                for &j in self.liars.keys().filter(|&&j| j != i) {
+                    let l = &self.nodes[j].id;
+                    c.liars_caught += (e.is_banned(l) || e.is_checkpoint_liar(l)) as u64;
+                }
+            }
+            m.checkpoints = Some(c);
         }
         Ok(m)
     }

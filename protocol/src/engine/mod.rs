@@ -32,9 +32,11 @@
 //!   desynced and asks them for a checkpoint, exactly like a joiner. Fresh keys never outvote
 //!   a node, however many: that would let a few throwaway keys hand it their parameters.
 //! * A joiner listens, and once the swarm attests a (version, digest) whose summaries it was
-//!   listening for (`Engine::attested_digest`), requests a checkpoint of at least that
-//!   version, loads it, and catches up by applying the following steps from the summaries it
-//!   collected. A loaded checkpoint whose digest the swarm contradicts is dropped at once.
+//!   listening for (`sync::swarm_digest`), downloads a checkpoint of at least that version
+//!   from its attesters (`Action::Request`: manifests, then chunks, verified one by one),
+//!   has it loaded (`Action::LoadCheckpoint`), and catches up by applying the following steps
+//!   from the summaries it collected. A loaded checkpoint whose digest the swarm contradicts
+//!   is dropped at once. Synced nodes serve the checkpoints they hold (`Event::Requested`).
 //!
 //! # The parts
 //! `Engine` is one state (this file: its fields, the events and actions, `handle`) driven by
@@ -44,7 +46,9 @@
 //! * `round`: the step windows, the node's own update and the clock (apply, summaries, timer).
 //! * `defence`: equivocation proofs, spot checks, accusations, copies, probation, reputation.
 //! * `peers`: the peer table, penalties and bans, the Hello this node sends.
-//! * `sync`: attestations, desync detection and joining (which checkpoint to ask for).
+//! * `sync`: attestations, desync detection and joining: which checkpoint to ask for, from
+//!   whom, the download itself (`sync::download`), liars and back-off; serving checkpoints
+//!   (`sync::serve`).
 //!
 //! The parts are `impl Engine` blocks over the same fields (no part owns a copy of another's
 //! state, so no two copies can disagree); what one part calls in another is `pub(super)`.
@@ -53,13 +57,19 @@ mod accept;
 mod defence;
 mod fetch;
 mod peers;
+mod report;
 mod round;
 mod sync;
 
 use defence::sketch;
 use fetch::{Want, Why};
 use peers::Peer;
-use sync::SyncState;
+use sync::{Checkpoints, SyncState};
+
+pub use report::{Metrics, Report};
+
+use download::Request;
+pub use sync::{download, KEEP_SNAPSHOTS};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -116,11 +126,38 @@ pub enum Event {
         digest: Digest,
     },
     /// A checkpoint was downloaded, verified against its manifest, and loaded.
+    /// The answer to [`Action::LoadCheckpoint`] (or, unasked, a checkpoint the shell resumed
+    /// from disk): the trainer holds `version`, whose parameter digest it computed as `digest`.
     CheckpointLoaded {
         version: u64,
         digest: Digest,
     },
+    /// The trainer could not load what [`Action::LoadCheckpoint`] gave it.
     CheckpointFailed,
+    /// The answer to [`Action::Request`]; empty bytes mean "not here".
+    Response {
+        peer: NodeId,
+        req: Request,
+        bytes: Vec<u8>,
+    },
+    /// [`Action::Request`] got no answer (timeout, refused, disconnected).
+    RequestFailed {
+        peer: NodeId,
+        req: Request,
+    },
+    /// `peer` asks this node for a checkpoint manifest or chunk; answer it as the engine says
+    /// with the same `token` ([`Action::Respond`] or [`Action::ServeChunk`]).
+    Requested {
+        peer: NodeId,
+        token: u64,
+        req: Request,
+    },
+    /// The shell holds a snapshot of the parameters (`manifest`, built by
+    /// `download::manifest_of` from its bytes) and can read chunks of it: the engine signs and
+    /// serves it while it is among the newest few.
+    Snapshot {
+        manifest: crate::checkpoint::CheckpointManifest,
+    },
     /// The answer to [`Action::SpotCheck`]: `gain` is the loss on the sender's own batch before
     /// minus after applying that update alone (positive: it helped).
     SpotChecked {
@@ -128,11 +165,6 @@ pub enum Event {
         sender: NodeId,
         blob: ContentId,
         gain: f64,
-    },
-    /// `from` served a checkpoint (manifest) whose digest does not match what the swarm
-    /// attests for its version: a liar, banned.
-    BadCheckpoint {
-        from: NodeId,
     },
 }
 
@@ -167,66 +199,6 @@ pub struct Included {
     pub bytes: Blob,
 }
 
-/// What happened that a log or metrics exporter wants to know.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Report {
-    /// Provably invalid; the peer at fault is penalized.
-    Rejected {
-        from: NodeId,
-        error: Offence,
-    },
-    /// Dropped without fault: late, duplicate, another run, full buffer, out of window.
-    Ignored {
-        from: NodeId,
-        error: Offence,
-    },
-    /// The local trainer's update could not be published.
-    LocalRefused {
-        step: u64,
-        error: Offence,
-    },
-    StepApplied {
-        step: u64,
-        included: u32,
-        listed: u32,
-        missing: u32,
-    },
-    /// Our digest for `version` was outvoted: resyncing from a checkpoint.
-    Desync {
-        version: u64,
-        mine: Digest,
-        majority: Digest,
-    },
-    Synced {
-        version: u64,
-        digest: Digest,
-    },
-    CheckpointUnattested {
-        version: u64,
-        digest: Digest,
-    },
-    /// A spot check's outcome and the peer's reputation afterwards.
-    SpotResult {
-        sender: NodeId,
-        step: u64,
-        gain: f64,
-        reputation: i32,
-    },
-    /// An update's blob arrived and checked out (for latency figures: the shell stamps the
-    /// time). Not reported for this node's own update.
-    Verified {
-        step: u64,
-        sender: NodeId,
-    },
-    /// The later of two near-identical updates of one step was taken for a copy.
-    CopySuspected {
-        sender: NodeId,
-        of: NodeId,
-        step: u64,
-        overlap_permille: u32,
-    },
-}
-
 /// Something for the shell to do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
@@ -252,11 +224,37 @@ pub enum Action {
         peer: NodeId,
         blob: ContentId,
     },
-    /// Download a checkpoint of at least `min_version` from one of `peers` (in the order
-    /// given), verify it against its manifest, load it and report `CheckpointLoaded`.
-    RequestCheckpoint {
-        min_version: u64,
-        peers: Vec<NodeId>,
+    /// Send `peer` this request over request-response (a checkpoint manifest or chunk) and
+    /// report the answer with [`Event::Response`] or [`Event::RequestFailed`].
+    Request {
+        peer: NodeId,
+        req: Request,
+    },
+    /// Answer the inbound request `token` with these bytes (a manifest frame, or empty: "not
+    /// here", also what a refusal looks like).
+    Respond {
+        token: u64,
+        bytes: Vec<u8>,
+    },
+    /// Answer the inbound request `token` with chunk `index` of the snapshot of `version`: the
+    /// `len` bytes at `offset` of its tensors' concatenated bytes, framed by
+    /// `download::chunk_frame`.
+    ServeChunk {
+        token: u64,
+        version: u64,
+        index: u32,
+        offset: u64,
+        len: u64,
+    },
+    /// A peer asked for a version this node could serve but holds no snapshot of: take one
+    /// ([`Event::Snapshot`]) if snapshots are not taken after every step anyway.
+    Snapshot,
+    /// Load these verified tensors (manifest = model order) as parameter version `version`
+    /// (digest `digest`); answer [`Event::CheckpointLoaded`] or [`Event::CheckpointFailed`].
+    LoadCheckpoint {
+        version: u64,
+        digest: Digest,
+        tensors: Vec<Vec<u8>>,
     },
     /// Step `step`'s window opened: train on the current parameters (version `base_version`).
     StartStep {
@@ -288,46 +286,6 @@ pub enum Action {
         bytes: Blob,
     },
     Report(Report),
-}
-
-/// Counters, for metrics.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Metrics {
-    pub messages: u64,
-    pub rejected: u64,
-    pub ignored: u64,
-    pub late: u64,
-    pub early: u64,
-    pub duplicates: u64,
-    pub equivocations: u64,
-    /// Peer entries dropped to make room in the full peer table.
-    pub evicted_peers: u64,
-    /// Fetch wants dropped to make room for ones of higher priority.
-    pub evicted_wants: u64,
-    /// Headers and summaries of strangers dropped from a full step for better-known peers.
-    pub evicted_updates: u64,
-    /// Fetches refused for exceeding a peer's serving budget.
-    pub refused_serves: u64,
-    pub fetches: u64,
-    pub fetch_failures: u64,
-    /// Fetches given up after `fetch_timeout` (half the summary window) without an answer.
-    pub fetch_timeouts: u64,
-    pub steps_applied: u64,
-    pub updates_applied: u64,
-    pub desyncs: u64,
-    pub spot_checks: u64,
-    pub spot_failures: u64,
-    pub copies: u64,
-    /// Updates this node held but left out of its summary (condemned, copies, probation).
-    pub withheld: u64,
-    /// Updates listed by some summary but left out by the majority rule.
-    pub outvoted: u64,
-    /// Own updates uploaded to a first-hop relay instead of gossiped.
-    pub uploads: u64,
-    /// (A relay) uploads verified and their headers gossiped.
-    pub relayed: u64,
-    /// Spot checks repeated because a peer's accusation asked for them.
-    pub repeated_checks: u64,
 }
 
 struct Entry {
@@ -391,6 +349,8 @@ pub struct Engine {
     /// passes the bootstrap peers its operator chose): any peer can claim the capability.
     trusted_relays: BTreeSet<NodeId>,
     sync: SyncState,
+    /// Checkpoints both ways: the download, the load, back-off, and what this node serves.
+    ckpt: Checkpoints,
     /// Parameter version (steps applied) and digest.
     version: u64,
     digest: Digest,
@@ -480,6 +440,7 @@ impl Engine {
             listen: Vec::new(),
             trusted_relays: BTreeSet::new(),
             sync: sync.clone(),
+            ckpt: Checkpoints::default(),
             version: 0,
             digest,
             applying: None,
@@ -618,27 +579,25 @@ impl Engine {
                 }
             }
             Event::CheckpointLoaded { version, digest } => {
-                if let SyncState::Joining { loaded, .. } = &mut self.sync {
-                    *loaded = Some((version, digest));
-                }
+                self.on_loaded(version, digest, now, &mut out)
             }
             Event::CheckpointFailed => {
-                if let SyncState::Joining { requested, .. } = &mut self.sync {
-                    *requested = None;
+                if self.ckpt.loading.is_some() {
+                    self.checkpoint_failed(download::Failure::NotLoaded, now, &mut out);
                 }
             }
+            Event::Response { peer, req, bytes } => {
+                self.on_response(peer, &req, Some(&bytes), now, &mut out)
+            }
+            Event::RequestFailed { peer, req } => self.on_response(peer, &req, None, now, &mut out),
+            Event::Requested { peer, token, req } => self.serve_request(peer, token, req, &mut out),
+            Event::Snapshot { manifest } => self.add_snapshot(manifest, &mut out),
             Event::SpotChecked {
                 step,
                 sender,
                 blob,
                 gain,
             } => self.on_spot(step, sender, blob, gain, &mut out),
-            Event::BadCheckpoint { from } => {
-                self.blame(from, Offence::FalseCheckpoint, &mut out);
-                if let SyncState::Joining { requested, .. } = &mut self.sync {
-                    *requested = None;
-                }
-            }
         }
         self.tick(now, &mut out);
         self.pump(now, &mut out);

@@ -18,6 +18,9 @@ pub(super) struct Peer {
     pub(super) first_step: Option<u64>,
     /// Applied steps that included one of this peer's updates (see [`Engine::known`]).
     pub(super) included: u32,
+    /// Served a provably wrong checkpoint, or signed one of a version the swarm attests with
+    /// another digest: never asked for a checkpoint again (see `sync`), but not banned.
+    pub(super) ckpt_liar: bool,
 }
 
 impl Engine {
@@ -62,6 +65,7 @@ impl Engine {
             && e.score == 0
             && e.rep <= 0
             && e.passed == 0
+            && !e.ckpt_liar
             && !self.trusted_relays.contains(p)
             && !self.known(p)
     }

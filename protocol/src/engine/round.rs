@@ -460,6 +460,10 @@ impl Engine {
         if let Some(f) = self.next_fetch_timeout() {
             at = at.min(f);
         }
+        // A checkpoint download's deadline, or the end of its back-off.
+        if let Some(c) = self.checkpoint_wakeup(now) {
+            at = at.min(c);
+        }
         // A wake-up already due has fired (or is being handled now): forget it, so that
         // `poll_timeout` never names an instant in the past.
         if self.timer.is_some_and(|t| t <= now) {

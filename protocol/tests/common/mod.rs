@@ -1,6 +1,8 @@
 //! An in-memory network of engines for tests: a deterministic event queue, flood gossip,
-//! request-response fetches served by the target's engine, and a fake trainer whose parameter
-//! digest is a hash chain over the exact sets it applied (same sets in, same digest out).
+//! request-response fetches and checkpoint requests served by the target's engine, and a fake
+//! trainer whose parameters are one 32-byte tensor, a hash chain over the exact sets it applied
+//! (same sets in, same digest out); its digest is that tensor's parameter digest, so served
+//! checkpoints verify like real ones.
 // Shared by several test crates, each using part of it: `pub` is how they reach it.
 #![allow(dead_code, unreachable_pub)]
 
@@ -109,7 +111,15 @@ pub fn genesis_digest() -> Digest {
     Digest::of(b"test genesis parameters")
 }
 
-/// The fake trainer's digest after applying `ids` for `step` on `prev`.
+/// The fake trainer's one tensor: its name and shape.
+pub const PARAMS: (&str, [u32; 1]) = ("p", [8]);
+
+/// The parameter digest of the fake parameters `chain`.
+pub fn params_digest(chain: &Digest) -> Digest {
+    protocol::checkpoint::f32_params_digest([(PARAMS.0, &PARAMS.1[..], &chain.0[..])])
+}
+
+/// The fake trainer's parameters after applying `ids` for `step` on `prev`.
 pub fn next_digest(prev: &Digest, step: u64, ids: &[ContentId]) -> Digest {
     let mut b = prev.0.to_vec();
     b.extend_from_slice(&step.to_le_bytes());
@@ -128,7 +138,11 @@ pub struct SimNode {
     pub applied: Vec<(u64, Vec<ContentId>, Digest)>,
     pub log: Vec<(u64, Action)>,
     version: u64,
+    /// The fake parameters (see [`next_digest`]) and their digest.
+    chain: Digest,
     digest: Digest,
+    /// Snapshots taken for serving checkpoints: version → parameters.
+    snaps: BTreeMap<u64, Digest>,
     /// The last instant a Timer was queued for (from `Engine::poll_timeout`).
     timer: Option<u64>,
 }
@@ -158,6 +172,10 @@ pub struct Sim {
     pub served: BTreeMap<ContentId, Vec<u8>>,
     /// Peers outside the simulation that never answer a fetch (no response, no failure).
     pub silent: std::collections::BTreeSet<NodeId>,
+    /// Nodes that corrupt every checkpoint answer they serve (one byte flipped).
+    pub liars: std::collections::BTreeSet<usize>,
+    /// Inbound checkpoint requests being served: token → (server, client, request).
+    requests: BTreeMap<u64, (usize, usize, protocol::download::Request)>,
 }
 
 impl Sim {
@@ -177,6 +195,8 @@ impl Sim {
             injected: BTreeMap::new(),
             served: BTreeMap::new(),
             silent: Default::default(),
+            liars: Default::default(),
+            requests: BTreeMap::new(),
         };
         for i in 0..n {
             s.add_node(i as u8, Some(genesis_digest()));
@@ -189,11 +209,18 @@ impl Sim {
     }
 
     /// Add a node (a joiner when `genesis` is None or it is too late for version 0) and
-    /// connect it to everyone.
+    /// connect it to everyone. `genesis` is the fake parameters (see [`genesis_digest`]).
     pub fn add_node(&mut self, i: u8, genesis: Option<Digest>) -> usize {
         let id = seed_identity(i);
         let node_id = id.node_id();
-        let engine = Engine::new(self.run.clone(), id, genesis, self.now, 42 + i as u64);
+        let mut engine = Engine::new(
+            self.run.clone(),
+            id,
+            genesis.as_ref().map(params_digest),
+            self.now,
+            42 + i as u64,
+        );
+        engine.set_checkpoint_layout(vec![(PARAMS.0.to_string(), PARAMS.1.to_vec())]);
         let me = self.nodes.len();
         self.nodes.push(SimNode {
             engine,
@@ -203,7 +230,9 @@ impl Sim {
             applied: Vec::new(),
             log: Vec::new(),
             version: 0,
-            digest: genesis.unwrap_or_default(),
+            chain: genesis.unwrap_or_default(),
+            digest: genesis.as_ref().map(params_digest).unwrap_or_default(),
+            snaps: BTreeMap::new(),
             timer: None,
         });
         let t = self.now;
@@ -339,19 +368,68 @@ impl Sim {
                 let from = self.index(&peer).unwrap_or(me);
                 self.deliver(from, me, now + 2 * lat, ev);
             }
-            Action::RequestCheckpoint { peers, .. } => {
-                let src = peers
-                    .iter()
-                    .filter_map(|p| self.index(p))
-                    .find(|&j| self.nodes[j].alive && self.nodes[j].engine.status().synced);
-                let ev = match src {
-                    Some(j) => {
-                        let (v, d) = (self.nodes[j].version, self.nodes[j].digest);
-                        self.nodes[me].version = v;
-                        self.nodes[me].digest = d;
+            Action::Request { peer, req } => match self.index(&peer) {
+                Some(j) if self.nodes[j].alive => {
+                    if let protocol::download::Request::Manifest { .. } = req {
+                        // The server snapshots what it holds (a real node: after each step).
+                        let (v, chain) = (self.nodes[j].version, self.nodes[j].chain);
+                        self.nodes[j].snaps.insert(v, chain);
+                        let manifest = protocol::download::manifest_of(
+                            self.run.run_id(),
+                            &self.run.limits,
+                            peer,
+                            v,
+                            &[(PARAMS.0.to_string(), PARAMS.1.to_vec(), chain.0.to_vec())],
+                        );
+                        self.deliver(me, j, now + lat, Event::Snapshot { manifest });
+                    }
+                    self.seq += 1;
+                    let token = self.seq;
+                    self.requests.insert(token, (j, me, req.clone()));
+                    self.deliver(
+                        me,
+                        j,
+                        now + lat,
+                        Event::Requested {
+                            peer: my_id,
+                            token,
+                            req,
+                        },
+                    );
+                }
+                _ => self.push(now + 100, me, Event::RequestFailed { peer, req }),
+            },
+            Action::Respond { token, bytes } => self.respond(me, token, bytes),
+            Action::ServeChunk {
+                token,
+                version,
+                index,
+                offset,
+                len,
+            } => {
+                let data = self.nodes[me].snaps.get(&version).map(|c| {
+                    let (lo, hi) = (offset as usize, (offset + len) as usize);
+                    c.0[lo.min(32)..hi.min(32)].to_vec()
+                });
+                let frame = data
+                    .map(|d| protocol::download::chunk_frame(self.run.run_id(), version, index, d));
+                self.respond(me, token, frame.unwrap_or_default());
+            }
+            Action::LoadCheckpoint {
+                version, tensors, ..
+            } => {
+                let n = &mut self.nodes[me];
+                let ev = match tensors
+                    .first()
+                    .and_then(|t| <[u8; 32]>::try_from(&t[..]).ok())
+                {
+                    Some(p) => {
+                        n.chain = Digest(p);
+                        n.digest = params_digest(&n.chain);
+                        n.version = version;
                         Event::CheckpointLoaded {
-                            version: v,
-                            digest: d,
+                            version,
+                            digest: n.digest,
                         }
                     }
                     None => Event::CheckpointFailed,
@@ -392,7 +470,8 @@ impl Sim {
                 let mut sorted = ids.clone();
                 sorted.sort();
                 assert_eq!(ids, sorted, "apply order must be canonical");
-                n.digest = next_digest(&n.digest, step, &ids);
+                n.chain = next_digest(&n.chain, step, &ids);
+                n.digest = params_digest(&n.chain);
                 n.version = step + 1;
                 n.applied.push((step, ids, n.digest));
                 let d = n.digest;
@@ -418,6 +497,21 @@ impl Sim {
             }
             _ => {}
         }
+    }
+
+    /// Server `me` answers checkpoint request `token` (a liar with one byte flipped).
+    fn respond(&mut self, me: usize, token: u64, mut bytes: Vec<u8>) {
+        let Some((_, client, req)) = self.requests.remove(&token) else {
+            return;
+        };
+        if self.liars.contains(&me) {
+            if let Some(b) = bytes.last_mut() {
+                *b ^= 0x55;
+            }
+        }
+        let peer = self.nodes[me].id;
+        let at = self.now + self.latency;
+        self.deliver(me, client, at, Event::Response { peer, req, bytes });
     }
 
     pub fn actions(&self, i: usize) -> impl Iterator<Item = &Action> {
@@ -470,6 +564,7 @@ pub fn announce(run: &RunConfig, id: &Identity, step: u64, blob: &[u8]) -> Vec<u
 impl SimNode {
     /// Flip the fake parameters, so the next digests differ from everyone else's.
     pub fn corrupt(&mut self) {
-        self.digest = Digest::of(b"corrupted");
+        self.chain = Digest::of(b"corrupted");
+        self.digest = params_digest(&self.chain);
     }
 }
