@@ -1039,7 +1039,7 @@ pub struct Row {
     pub absent_loss: f64,
     /// `100·(final − absent)/absent`: the harm that got through the defences.
     pub worse_vs_absent_pct: f64,
-    pub stats: crate::metrics::Adversary,
+    pub stats: crate::metrics::AttackStats,
     pub rejected: u64,
     pub desyncs: u64,
 }

@@ -5,7 +5,7 @@
 //! * `net`: per-node upload/download serialization, latency + jitter, loss, partitions.
 //! * `world`: engine mode — a real `protocol::engine::Engine` per node, the gossip model.
 //! * `flow`: flow mode — thousands of nodes, the engine's inclusion rule without its crypto.
-//! * `synth`: the `Trainer` trait, the synthetic trainer (known optimum, real update layout
+//! * `synth`: the `SimTrainer` trait, the synthetic trainer (known optimum, real update layout
 //!   and sparsity) and its AdamW all-reduce baseline.
 //! * `tiny` (feature `torch`): the real `train` crate as a trainer — what `swarm run` computes.
 //! * `adversary`: hostile peers (noise, sign flip, ALIE, IPM, copies, equivocation, malformed

@@ -69,7 +69,7 @@ pub struct Metrics {
     /// Hostile peers and the defences (engine mode, when the scenario has attackers or
     /// defences; absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adversary: Option<Adversary>,
+    pub adversary: Option<AttackStats>,
     /// Checkpoint transfers (engine mode; only when some node asked for one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<Checkpoints>,
@@ -101,7 +101,7 @@ pub struct Checkpoints {
 /// What the attackers did and what the honest nodes did about it. "Hostile" counts every
 /// identity an attacker node used (Sybils use many); only honest nodes' actions are counted.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Adversary {
+pub struct AttackStats {
     /// Attacker nodes, and the identities they used.
     pub hostile_nodes: u32,
     pub hostile_identities: u32,

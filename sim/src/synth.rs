@@ -32,7 +32,7 @@ pub struct Local {
 
 /// What every trainer (synthetic or real) offers engine mode. Parameters are a flat `f32`
 /// vector whose layout the trainer defines; the world only stores, shares and hashes it.
-pub trait Trainer {
+pub trait SimTrainer {
     /// Initial parameters (version 0).
     fn init(&mut self) -> Vec<f32>;
     /// Node `node` (identity `id`: real batches are a function of it) trains `step` on
@@ -63,7 +63,7 @@ pub trait Trainer {
         vec![("params".into(), vec![params.len() as u32], bytes)]
     }
     /// The digest engines attest and checkpoints name: the protocol's parameter digest of
-    /// [`Trainer::checkpoint_tensors`]. A real model's [`Trainer::digest`] already is that;
+    /// [`SimTrainer::checkpoint_tensors`]. A real model's [`SimTrainer::digest`] already is that;
     /// the synthetic trainer's metrics keep their flat hash.
     fn wire_digest(&self, params: &[f32]) -> Digest {
         let t = self.checkpoint_tensors(params);
@@ -82,7 +82,7 @@ pub trait Trainer {
     /// applying `update` (stating `tokens`) **alone** as the step's sign step to `params`.
     /// Positive: it helped. The protocol evaluates on the sender's own recomputable batch
     /// (`sender`, `step`); a trainer without batches may use its objective. The default does
-    /// that with [`Trainer::eval`], which for `Synthetic` is the exact objective; a real model
+    /// that with [`SimTrainer::eval`], which for `Synthetic` is the exact objective; a real model
     /// should override it with the sender's batch loss (eval on held-out data is too costly
     /// and too noisy for two forward passes per check).
     fn spot_check(
@@ -343,7 +343,7 @@ impl Synthetic {
     }
 }
 
-impl Trainer for Synthetic {
+impl SimTrainer for Synthetic {
     fn init(&mut self) -> Vec<f32> {
         Synthetic::init(self)
     }

@@ -27,7 +27,7 @@ use train::run::{eval_loss, Optimizer, TrainOptions};
 use train::tch::{self, Device, Kind, Tensor};
 
 use crate::scenario::Scenario;
-use crate::synth::{Local, Trainer};
+use crate::synth::{Local, SimTrainer};
 use crate::SimError;
 
 /// The real `tiny` (or a run file's) model, trained with DeMo by every simulated node.
@@ -200,7 +200,7 @@ impl Tiny {
     }
 }
 
-impl Trainer for Tiny {
+impl SimTrainer for Tiny {
     fn init(&mut self) -> Vec<f32> {
         self.init.clone()
     }

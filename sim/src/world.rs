@@ -31,12 +31,12 @@ use protocol::sparse::{encoded_size, SparseUpdate};
 use protocol::wire::UpdateHeader;
 
 use crate::adversary::{self, Attack, Bad, Body};
-use crate::metrics::{finish, quantile, Adversary, Metrics, StepMetrics};
+use crate::metrics::{finish, quantile, AttackStats, Metrics, StepMetrics};
 use crate::net::{LinkProfile, Network, Partition};
 use crate::queue::{EventQueue, Micros};
 use crate::rng::{derive, Rng};
 use crate::scenario::{Fault, Lie, Scenario, TrainerKind};
-use crate::synth::{Local, Synthetic, Trainer};
+use crate::synth::{Local, SimTrainer, Synthetic};
 use crate::SimError;
 
 const GENESIS_MS: u64 = 10_000;
@@ -84,7 +84,7 @@ enum Ev {
 /// attacks of [`adversary`] (what it sends is made in [`World::outgoing`]; withholders
 /// misbehave when serving, in [`World::serve`]; all attackers collude in spot checks).
 #[derive(Clone, Copy, PartialEq)]
-pub enum Role {
+pub enum Conduct {
     Honest,
     Hostile(Attack),
 }
@@ -109,10 +109,10 @@ struct Node {
     engine: Option<Engine>,
     id: NodeId,
     alive: bool,
-    role: Role,
+    role: Conduct,
     compute_ms: u64,
     params: Arc<Vec<f32>>,
-    /// The parameters' version and wire digest (`Trainer::wire_digest`, what engines see).
+    /// The parameters' version and wire digest (`SimTrainer::wire_digest`, what engines see).
     version: u64,
     digest: Digest,
     /// Snapshots served as checkpoints, oldest first: (version, parameters).
@@ -146,7 +146,7 @@ pub struct World {
     net: Network,
     nodes: Vec<Node>,
     index: HashMap<NodeId, usize>,
-    trainer: Box<dyn Trainer>,
+    trainer: Box<dyn SimTrainer>,
     /// (tag) → (node, from, id, bytes): frames waiting for their engine's verdict.
     pending: HashMap<u64, (usize, usize, ContentId, Arc<Vec<u8>>)>,
     next_tag: u64,
@@ -188,7 +188,7 @@ pub struct World {
     own_past: BTreeMap<(usize, u64), SparseUpdate>,
     /// Proof-of-work nonces of attacker identities (forged headers need them).
     pow: HashMap<NodeId, u64>,
-    adv: Adversary,
+    adv: AttackStats,
 }
 
 /// The identity of simulated node `i` under `seed` (a restarted node `i` of incarnation `c`
@@ -203,7 +203,7 @@ pub fn identity(seed: u64, i: usize) -> Identity {
 }
 
 /// The run config and trainer a scenario asks for.
-fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn Trainer>), SimError> {
+fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn SimTrainer>), SimError> {
     let bad = |e: String| SimError::Scenario(e);
     let tr = &sc.trainer;
     let mut run = match (tr.kind, tr.run.is_empty()) {
@@ -250,7 +250,7 @@ fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn Tra
         run.defence = defence;
     }
     run.validate().map_err(|e| bad(e.to_string()))?;
-    let trainer: Box<dyn Trainer> = match tr.kind {
+    let trainer: Box<dyn SimTrainer> = match tr.kind {
         TrainerKind::Synthetic => {
             let mut t = Synthetic::new(run.layout(), run.optim.clone(), sc.optim.noise, sc.seed);
             t.tokens = run.nominal_tokens();
@@ -338,7 +338,7 @@ impl World {
             honest_updates: BTreeMap::new(),
             own_past: BTreeMap::new(),
             pow: HashMap::new(),
-            adv: Adversary::default(),
+            adv: AttackStats::default(),
             sc: sc.clone(),
         };
         let l0 = w.trainer.eval(&init);
@@ -366,7 +366,7 @@ impl World {
             w.connect_mesh(i);
         }
         for (x, attack) in adversary::assign(&sc.attackers, n, sc.seed) {
-            w.nodes[x].role = Role::Hostile(attack);
+            w.nodes[x].role = Conduct::Hostile(attack);
             w.hostile_ids.insert(w.nodes[x].id);
         }
         let t = w.run.timing.clone();
@@ -399,7 +399,7 @@ impl World {
             engine: Some(engine),
             id,
             alive: true,
-            role: Role::Honest,
+            role: Conduct::Honest,
             compute_ms,
             params: params.unwrap_or_default(),
             version: 0,
@@ -416,7 +416,7 @@ impl World {
             self.index.remove(&old.id);
             self.nodes[i].mesh = old.mesh;
             self.nodes[i].role = old.role;
-            if old.role != Role::Honest {
+            if old.role != Conduct::Honest {
                 self.hostile_ids.insert(id);
             }
         } else {
@@ -613,7 +613,7 @@ impl World {
             if let (Some(step), Action::Publish { bytes }) = (local, &a) {
                 if bytes.get(1) == Some(&protocol::wire::kind::ANNOUNCE) {
                     *self.produced.entry(step).or_default() += 1;
-                    if self.nodes[i].role != Role::Honest {
+                    if self.nodes[i].role != Conduct::Honest {
                         self.adv.hostile_published += 1;
                     }
                 }
@@ -679,8 +679,8 @@ impl World {
             return self.q.push(now + self.timeout(), fail);
         }
         let resp = match self.nodes[server].role {
-            Role::Hostile(Attack::Withhold) => None,
-            Role::Hostile(_) if self.forged.contains_key(&blob) => {
+            Conduct::Hostile(Attack::Withhold) => None,
+            Conduct::Hostile(_) if self.forged.contains_key(&blob) => {
                 self.forged.get(&blob).map(|f| f.1.clone())
             }
             _ => self.nodes[server]
@@ -853,13 +853,13 @@ impl World {
                 // Virtual time: the scenario's compute time, never the host's.
                 let at = now + self.nodes[i].compute_ms * 1000;
                 match self.nodes[i].role {
-                    Role::Honest => {
+                    Conduct::Honest => {
                         if self.sc.attackers.iter().any(|a| a.attack.watches()) {
                             let v = self.honest_updates.entry(step).or_default();
                             v.push(local.update.clone());
                         }
                     }
-                    Role::Hostile(a) => {
+                    Conduct::Hostile(a) => {
                         if let Attack::Stale { .. } = a {
                             self.own_past.insert((i, step), local.update.clone());
                         }
@@ -890,7 +890,7 @@ impl World {
             }
             Action::Apply { step, updates } => self.apply(i, step, updates, now),
             Action::Report(r) => {
-                let honest = self.nodes[i].role == Role::Honest;
+                let honest = self.nodes[i].role == Conduct::Honest;
                 match r {
                     Report::Desync { .. } => self.desyncs += 1,
                     Report::CheckpointRequested { .. } => self.ckpt.downloads += 1,
@@ -924,7 +924,7 @@ impl World {
                 reason,
                 points,
             } => {
-                if self.nodes[i].role == Role::Honest {
+                if self.nodes[i].role == Conduct::Honest {
                     if self.hostile_ids.contains(&peer) {
                         self.adv.penalties += 1;
                         self.adv.penalty_points += points as u64;
@@ -951,7 +951,7 @@ impl World {
                         self.ckpt.false_accusations += 1;
                     }
                 }
-                if self.nodes[i].role == Role::Honest {
+                if self.nodes[i].role == Conduct::Honest {
                     if self.hostile_ids.contains(&peer) {
                         self.adv.bans += 1;
                     } else {
@@ -968,7 +968,7 @@ impl World {
             } => {
                 let gain = match self.nodes[i].role {
                     // Colluders pass each other and fail everyone else.
-                    Role::Hostile(_) => {
+                    Conduct::Hostile(_) => {
                         if self.hostile_ids.contains(&sender) {
                             1.0
                         } else {
@@ -977,7 +977,7 @@ impl World {
                     }
                     // The engine validated the blob; a decode failure would be a bug, and NaN
                     // is a failed check, never a panic.
-                    Role::Honest => match SparseUpdate::decode(&bytes.0, bytes.0.len()) {
+                    Conduct::Honest => match SparseUpdate::decode(&bytes.0, bytes.0.len()) {
                         Ok(u) => {
                             let params = self.nodes[i].params.clone();
                             self.trainer.spot_check(&sender, step, &params, &u, tokens)
@@ -1007,14 +1007,14 @@ impl World {
     /// Content attacks are `adversary::content_move`'s, the catalogue `swarm run` shares.
     fn outgoing(&mut self, i: usize, step: u64, honest: Local) -> Outgoing {
         let attack = match self.nodes[i].role {
-            Role::Honest | Role::Hostile(Attack::Withhold) => {
+            Conduct::Honest | Conduct::Hostile(Attack::Withhold) => {
                 return Outgoing::Local {
                     blob: honest.update.encode(),
                     tokens: honest.tokens,
                 }
             }
-            Role::Hostile(Attack::Silent) => return Outgoing::Nothing,
-            Role::Hostile(a) => a,
+            Conduct::Hostile(Attack::Silent) => return Outgoing::Nothing,
+            Conduct::Hostile(a) => a,
         };
         let layout = self.run.layout();
         let k = self.run.optim.topk;
@@ -1207,7 +1207,7 @@ impl World {
     /// Step boundary bookkeeping: Sybils take fresh identities; old attacker state is dropped.
     fn step_mark(&mut self, s: u64) {
         for i in 0..self.nodes.len() {
-            if let Role::Hostile(Attack::Sybil { every }) = self.nodes[i].role {
+            if let Conduct::Hostile(Attack::Sybil { every }) = self.nodes[i].role {
                 if s > 0 && s.is_multiple_of(every) && self.nodes[i].alive {
                     let c = self.nodes[i].compute_ms;
                     self.spawn(i, c, None);
@@ -1283,7 +1283,7 @@ impl World {
         n.params = params;
         n.version = step + 1;
         n.digest = wire;
-        let honest = n.role == Role::Honest;
+        let honest = n.role == Conduct::Honest;
         let hostile = updates
             .iter()
             .filter(|u| self.hostile_ids.contains(&u.sender))
@@ -1382,9 +1382,9 @@ impl World {
             .push(now + self.timeout(), Ev::Engine { node: client, ev });
     }
 
-    fn adversary_stats(&self) -> Adversary {
+    fn adversary_stats(&self) -> AttackStats {
         let mut a = self.adv.clone();
-        a.hostile_nodes = self.nodes.iter().filter(|n| n.role != Role::Honest).count() as u32;
+        a.hostile_nodes = self.nodes.iter().filter(|n| n.role != Conduct::Honest).count() as u32;
         a.hostile_identities = self.hostile_ids.len() as u32;
         let honest: Vec<&Applied> = self.applied.iter().filter(|x| x.honest).collect();
         let k = honest.len().max(1) as f64;

@@ -5,7 +5,7 @@
 //! nodes always apply the same parameters.
 
 use sim::adversary::{variant, Attack};
-use sim::metrics::Adversary;
+use sim::metrics::AttackStats;
 use sim::net::LinkProfile;
 use sim::scenario::{NodeClass, Scenario};
 use sim::Metrics;
@@ -40,7 +40,7 @@ fn run(sc: &Scenario) -> Metrics {
     sim::run(sc, &mut |_, _| {}).expect("the scenario runs")
 }
 
-fn attacked(a: Attack) -> (Metrics, Adversary) {
+fn attacked(a: Attack) -> (Metrics, AttackStats) {
     let m = run(&variant(&base(), Some(a), FRACTION, true));
     let st = m.adversary.clone().expect("attack stats");
     assert_eq!(st.hostile_nodes, 3, "{a:?}");

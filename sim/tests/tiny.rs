@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use sim::synth::Trainer;
+use sim::synth::SimTrainer;
 use sim::Scenario;
 
 /// The tests share two cores and libtorch's thread pool: run them one at a time (model
