@@ -203,7 +203,10 @@ pub fn identity(seed: u64, i: usize) -> Identity {
 }
 
 /// The run config and trainer a scenario asks for.
-fn make_run(sc: &Scenario, timing: StepTiming) -> Result<(RunConfig, Box<dyn SimTrainer>), SimError> {
+fn make_run(
+    sc: &Scenario,
+    timing: StepTiming,
+) -> Result<(RunConfig, Box<dyn SimTrainer>), SimError> {
     let bad = |e: String| SimError::Scenario(e);
     let tr = &sc.trainer;
     let mut run = match (tr.kind, tr.run.is_empty()) {
@@ -1384,7 +1387,11 @@ impl World {
 
     fn adversary_stats(&self) -> AttackStats {
         let mut a = self.adv.clone();
-        a.hostile_nodes = self.nodes.iter().filter(|n| n.role != Conduct::Honest).count() as u32;
+        a.hostile_nodes = self
+            .nodes
+            .iter()
+            .filter(|n| n.role != Conduct::Honest)
+            .count() as u32;
         a.hostile_identities = self.hostile_ids.len() as u32;
         let honest: Vec<&Applied> = self.applied.iter().filter(|x| x.honest).collect();
         let k = honest.len().max(1) as f64;
