@@ -26,6 +26,7 @@ use std::sync::Arc;
 use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::download::{self, Request};
 use protocol::engine::{Action, Engine, Event, Report, Verdict};
+use protocol::error::Offence;
 use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
 use protocol::wire::UpdateHeader;
@@ -713,6 +714,7 @@ impl World {
         }
     }
 
+    /// What a node's engine asked for, done in the simulated world (one method per action).
     fn act(&mut self, i: usize, a: Action, now: Micros) {
         match a {
             Action::Publish { bytes } => {
@@ -720,82 +722,10 @@ impl World {
                 self.nodes[i].seen.insert(id);
                 self.send_gossip(i, id, Arc::new(bytes), None, now);
             }
-            Action::Send { peer, bytes } => {
-                if let Some(&j) = self.index.get(&peer) {
-                    if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
-                        let from = self.nodes[i].id;
-                        self.q.push(
-                            at,
-                            Ev::Engine {
-                                node: j,
-                                ev: Event::Message {
-                                    from,
-                                    tag: None,
-                                    bytes,
-                                },
-                            },
-                        );
-                    }
-                }
-            }
-            Action::Verdict { tag, verdict } => {
-                if let Some((node, from, id, bytes)) = self.pending.remove(&tag) {
-                    if verdict == Verdict::Accept && self.nodes[node].alive {
-                        self.send_gossip(node, id, bytes, Some(from), now);
-                    }
-                }
-            }
-            Action::Fetch { peer, blob } => {
-                let fail = Ev::Engine {
-                    node: i,
-                    ev: Event::FetchFailed { from: peer, blob },
-                };
-                match self.index.get(&peer).copied() {
-                    Some(j) => match self.net.send(i, j, self.sc.gossip.request_bytes, now) {
-                        Ok(at) => self.q.push(
-                            at,
-                            Ev::FetchReq {
-                                server: j,
-                                client: i,
-                                blob,
-                            },
-                        ),
-                        Err(_) => self.q.push(now + self.timeout(), fail),
-                    },
-                    None => self.q.push(now + self.timeout(), fail),
-                }
-            }
-            Action::Request { peer, req } => {
-                self.ckpt.requests += 1;
-                let j = self.index.get(&peer).copied();
-                if let Some(j) = j.filter(|j| self.liars.contains_key(j)) {
-                    self.ckpt.liar_requests += 1;
-                    let caught = self.caught.contains(&(i, j))
-                        || self.nodes[i]
-                            .engine
-                            .as_ref()
-                            .is_some_and(|e| e.is_banned(&peer) || e.is_checkpoint_liar(&peer));
-                    self.ckpt.liar_requests_after_caught += caught as u64;
-                }
-                let fail = Ev::Engine {
-                    node: i,
-                    ev: Event::RequestFailed {
-                        peer,
-                        req: req.clone(),
-                    },
-                };
-                match j.map(|j| (j, self.net.send(i, j, self.sc.gossip.request_bytes, now))) {
-                    Some((j, Ok(at))) => self.q.push(
-                        at,
-                        Ev::CkptReq {
-                            server: j,
-                            client: i,
-                            req,
-                        },
-                    ),
-                    _ => self.q.push(now + self.timeout(), fail),
-                }
-            }
+            Action::Send { peer, bytes } => self.send(i, peer, bytes, now),
+            Action::Verdict { tag, verdict } => self.verdict(tag, verdict, now),
+            Action::Fetch { peer, blob } => self.fetch(i, peer, blob, now),
+            Action::Request { peer, req } => self.request(i, peer, req, now),
             Action::Respond { token, bytes } => self.respond(i, token, bytes, now),
             Action::ServeChunk {
                 token,
@@ -804,164 +734,23 @@ impl World {
                 offset,
                 len,
             } => {
-                let snap = self.nodes[i].snaps.iter().find(|(v, _)| *v == version);
-                let frame = snap.map(|(_, p)| {
-                    let (lo, hi) = ((offset / 4) as usize, ((offset + len) / 4) as usize);
-                    let mut data: Vec<u8> = p[lo.min(p.len())..hi.min(p.len())]
-                        .iter()
-                        .flat_map(|x| x.to_le_bytes())
-                        .collect();
-                    if self.liars.get(&i) == Some(&Lie::Chunk) {
-                        if let Some(b) = data.first_mut() {
-                            *b ^= 0xff;
-                        }
-                    }
-                    download::chunk_frame(self.run_id, version, index, data)
-                });
-                self.respond(i, token, frame.unwrap_or_default(), now);
+                let frame = self.chunk(i, version, index, offset, len);
+                self.respond(i, token, frame, now);
             }
             // Snapshots are taken on demand, before each manifest request is served.
             Action::Snapshot => {}
             Action::LoadCheckpoint {
                 version, tensors, ..
-            } => {
-                self.ckpt.loads += 1;
-                let params: Vec<f32> = tensors
-                    .iter()
-                    .flat_map(|t| t.chunks_exact(4))
-                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-                    .collect();
-                let digest = self.trainer.wire_digest(&params);
-                let n = &mut self.nodes[i];
-                n.params = Arc::new(params);
-                n.version = version;
-                n.digest = digest;
-                self.q.push(
-                    now + 1000,
-                    Ev::Engine {
-                        node: i,
-                        ev: Event::CheckpointLoaded { version, digest },
-                    },
-                );
-            }
-            Action::StartStep { step, base_version } => {
-                let params = self.nodes[i].params.clone();
-                let id = self.nodes[i].id;
-                let local = self.trainer.train(i, &id, step, base_version, &params);
-                if let Some(l) = local.train_loss {
-                    let e = self.train_losses.entry(step).or_default();
-                    e.0 += l;
-                    e.1 += 1;
-                }
-                // Virtual time: the scenario's compute time, never the host's.
-                let at = now + self.nodes[i].compute_ms * 1000;
-                match self.nodes[i].role {
-                    Conduct::Honest => {
-                        if self.sc.attackers.iter().any(|a| a.attack.watches()) {
-                            let v = self.honest_updates.entry(step).or_default();
-                            v.push(local.update.clone());
-                        }
-                    }
-                    Conduct::Hostile(a) => {
-                        if let Attack::Stale { .. } = a {
-                            self.own_past.insert((i, step), local.update.clone());
-                        }
-                        // Attackers publish at their own time, with what they have seen by then.
-                        let wait = if a.watches() { WATCH_MS * 1000 } else { 0 };
-                        let incarnation = self.nodes[i].incarnation;
-                        let ev = Ev::Hostile {
-                            node: i,
-                            incarnation,
-                            step,
-                            local,
-                        };
-                        return self.q.push(at + wait, ev);
-                    }
-                }
-                let Outgoing::Local { blob, tokens } = self.outgoing(i, step, local) else {
-                    return;
-                };
-                let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
-                self.nodes[i].arrivals.insert(id, at);
-                self.q.push(
-                    at,
-                    Ev::Engine {
-                        node: i,
-                        ev: Event::LocalUpdate { step, blob, tokens },
-                    },
-                );
-            }
+            } => self.load_checkpoint(i, version, &tensors, now),
+            Action::StartStep { step, base_version } => self.start_step(i, step, base_version, now),
             Action::Apply { step, updates } => self.apply(i, step, updates, now),
-            Action::Report(r) => {
-                let honest = self.nodes[i].role == Conduct::Honest;
-                match r {
-                    Report::Desync { .. } => self.desyncs += 1,
-                    Report::CheckpointRequested { .. } => self.ckpt.downloads += 1,
-                    Report::CheckpointFailed { .. } => self.ckpt.failures += 1,
-                    Report::Synced { .. } => self.ckpt.synced += 1,
-                    Report::CheckpointLiar { peer } => match self.index.get(&peer) {
-                        Some(&j) if self.liars.contains_key(&j) => {
-                            self.caught.insert((i, j));
-                            self.ckpt.liars_found += 1;
-                        }
-                        _ => self.ckpt.false_accusations += 1,
-                    },
-                    Report::Rejected { .. } => self.rejected += 1,
-                    Report::SpotResult { sender, gain, .. } if honest => {
-                        // `gain > 0` is the engine's pass rule (NaN fails).
-                        let failed = !(gain > 0.0);
-                        if self.hostile_ids.contains(&sender) {
-                            self.adv.spot_hostile += 1;
-                            self.adv.spot_hostile_failed += failed as u64;
-                        } else {
-                            self.adv.spot_honest += 1;
-                            self.adv.spot_honest_failed += failed as u64;
-                        }
-                    }
-                    Report::CopySuspected { .. } if honest => self.adv.copies += 1,
-                    _ => {}
-                }
-            }
+            Action::Report(r) => self.count_report(i, r),
             Action::Penalize {
                 peer,
                 reason,
                 points,
-            } => {
-                if self.nodes[i].role == Conduct::Honest {
-                    if self.hostile_ids.contains(&peer) {
-                        self.adv.penalties += 1;
-                        self.adv.penalty_points += points as u64;
-                    } else {
-                        self.adv.false_penalties += 1;
-                    }
-                    if matches!(reason, protocol::error::Offence::Equivocation { .. }) {
-                        self.adv.equivocations += 1;
-                    }
-                }
-            }
-            Action::Ban { peer, reason } => {
-                // The shell disconnects a banned peer; gossipsub grafts others in its place.
-                if let Some(&j) = self.index.get(&peer) {
-                    self.unlink(i, j, now);
-                    let ckpt = matches!(
-                        reason,
-                        protocol::error::Offence::BadCheckpoint(_)
-                            | protocol::error::Offence::FalseCheckpoint
-                    );
-                    if self.liars.contains_key(&j) {
-                        self.caught.insert((i, j));
-                    } else if ckpt && !self.hostile_ids.contains(&peer) {
-                        self.ckpt.false_accusations += 1;
-                    }
-                }
-                if self.nodes[i].role == Conduct::Honest {
-                    if self.hostile_ids.contains(&peer) {
-                        self.adv.bans += 1;
-                    } else {
-                        self.adv.false_bans += 1;
-                    }
-                }
-            }
+            } => self.count_penalty(i, peer, reason, points),
+            Action::Ban { peer, reason } => self.ban(i, peer, reason, now),
             Action::SpotCheck {
                 step,
                 sender,
@@ -969,25 +758,7 @@ impl World {
                 tokens,
                 bytes,
             } => {
-                let gain = match self.nodes[i].role {
-                    // Colluders pass each other and fail everyone else.
-                    Conduct::Hostile(_) => {
-                        if self.hostile_ids.contains(&sender) {
-                            1.0
-                        } else {
-                            -1.0
-                        }
-                    }
-                    // The engine validated the blob; a decode failure would be a bug, and NaN
-                    // is a failed check, never a panic.
-                    Conduct::Honest => match SparseUpdate::decode(&bytes.0, bytes.0.len()) {
-                        Ok(u) => {
-                            let params = self.nodes[i].params.clone();
-                            self.trainer.spot_check(&sender, step, &params, &u, tokens)
-                        }
-                        Err(_) => f64::NAN,
-                    },
-                };
+                let gain = self.spot_gain(i, step, sender, tokens, &bytes.0);
                 self.q.push(
                     now + SPOT_MS * 1000,
                     Ev::Engine {
@@ -1001,6 +772,273 @@ impl World {
                     },
                 );
             }
+        }
+    }
+
+    /// A direct message (a Hello, an upload to a first hop) over the link.
+    fn send(&mut self, i: usize, peer: NodeId, bytes: Vec<u8>, now: Micros) {
+        if let Some(&j) = self.index.get(&peer) {
+            if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
+                let from = self.nodes[i].id;
+                self.q.push(
+                    at,
+                    Ev::Engine {
+                        node: j,
+                        ev: Event::Message {
+                            from,
+                            tag: None,
+                            bytes,
+                        },
+                    },
+                );
+            }
+        }
+    }
+
+    /// Forward a validated gossip message (gossipsub forwards only on `Accept`).
+    fn verdict(&mut self, tag: u64, verdict: Verdict, now: Micros) {
+        if let Some((node, from, id, bytes)) = self.pending.remove(&tag) {
+            if verdict == Verdict::Accept && self.nodes[node].alive {
+                self.send_gossip(node, id, bytes, Some(from), now);
+            }
+        }
+    }
+
+    /// A blob request to `peer`; no route or a lost request fails after the timeout.
+    fn fetch(&mut self, i: usize, peer: NodeId, blob: ContentId, now: Micros) {
+        let fail = Ev::Engine {
+            node: i,
+            ev: Event::FetchFailed { from: peer, blob },
+        };
+        match self.index.get(&peer).copied() {
+            Some(j) => match self.net.send(i, j, self.sc.gossip.request_bytes, now) {
+                Ok(at) => self.q.push(
+                    at,
+                    Ev::FetchReq {
+                        server: j,
+                        client: i,
+                        blob,
+                    },
+                ),
+                Err(_) => self.q.push(now + self.timeout(), fail),
+            },
+            None => self.q.push(now + self.timeout(), fail),
+        }
+    }
+
+    /// A checkpoint request (manifest or chunk) to `peer`, counted for the lying-server
+    /// figures.
+    fn request(&mut self, i: usize, peer: NodeId, req: Request, now: Micros) {
+        self.ckpt.requests += 1;
+        let j = self.index.get(&peer).copied();
+        if let Some(j) = j.filter(|j| self.liars.contains_key(j)) {
+            self.ckpt.liar_requests += 1;
+            let caught = self.caught.contains(&(i, j))
+                || self.nodes[i]
+                    .engine
+                    .as_ref()
+                    .is_some_and(|e| e.is_banned(&peer) || e.is_checkpoint_liar(&peer));
+            self.ckpt.liar_requests_after_caught += caught as u64;
+        }
+        let fail = Ev::Engine {
+            node: i,
+            ev: Event::RequestFailed {
+                peer,
+                req: req.clone(),
+            },
+        };
+        match j.map(|j| (j, self.net.send(i, j, self.sc.gossip.request_bytes, now))) {
+            Some((j, Ok(at))) => self.q.push(
+                at,
+                Ev::CkptReq {
+                    server: j,
+                    client: i,
+                    req,
+                },
+            ),
+            _ => self.q.push(now + self.timeout(), fail),
+        }
+    }
+
+    /// A chunk frame of node `i`'s kept snapshot `version` (a lying server corrupts it).
+    fn chunk(&self, i: usize, version: u64, index: u32, offset: u64, len: u64) -> Vec<u8> {
+        let snap = self.nodes[i].snaps.iter().find(|(v, _)| *v == version);
+        let frame = snap.map(|(_, p)| {
+            let (lo, hi) = ((offset / 4) as usize, ((offset + len) / 4) as usize);
+            let mut data: Vec<u8> = p[lo.min(p.len())..hi.min(p.len())]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            if self.liars.get(&i) == Some(&Lie::Chunk) {
+                if let Some(b) = data.first_mut() {
+                    *b ^= 0xff;
+                }
+            }
+            download::chunk_frame(self.run_id, version, index, data)
+        });
+        frame.unwrap_or_default()
+    }
+
+    /// The verified checkpoint becomes node `i`'s parameters; the engine hears it loaded.
+    fn load_checkpoint(&mut self, i: usize, version: u64, tensors: &[Vec<u8>], now: Micros) {
+        self.ckpt.loads += 1;
+        let params: Vec<f32> = tensors
+            .iter()
+            .flat_map(|t| t.chunks_exact(4))
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let digest = self.trainer.wire_digest(&params);
+        let n = &mut self.nodes[i];
+        n.params = Arc::new(params);
+        n.version = version;
+        n.digest = digest;
+        self.q.push(
+            now + 1000,
+            Ev::Engine {
+                node: i,
+                ev: Event::CheckpointLoaded { version, digest },
+            },
+        );
+    }
+
+    /// Node `i` trains `step`; its update (or an attacker's replacement) reaches its engine
+    /// after the scenario's compute time.
+    fn start_step(&mut self, i: usize, step: u64, base_version: u64, now: Micros) {
+        let params = self.nodes[i].params.clone();
+        let id = self.nodes[i].id;
+        let local = self.trainer.train(i, &id, step, base_version, &params);
+        if let Some(l) = local.train_loss {
+            let e = self.train_losses.entry(step).or_default();
+            e.0 += l;
+            e.1 += 1;
+        }
+        // Virtual time: the scenario's compute time, never the host's.
+        let at = now + self.nodes[i].compute_ms * 1000;
+        match self.nodes[i].role {
+            Conduct::Honest => {
+                if self.sc.attackers.iter().any(|a| a.attack.watches()) {
+                    let v = self.honest_updates.entry(step).or_default();
+                    v.push(local.update.clone());
+                }
+            }
+            Conduct::Hostile(a) => {
+                if let Attack::Stale { .. } = a {
+                    self.own_past.insert((i, step), local.update.clone());
+                }
+                // Attackers publish at their own time, with what they have seen by then.
+                let wait = if a.watches() { WATCH_MS * 1000 } else { 0 };
+                let incarnation = self.nodes[i].incarnation;
+                let ev = Ev::Hostile {
+                    node: i,
+                    incarnation,
+                    step,
+                    local,
+                };
+                return self.q.push(at + wait, ev);
+            }
+        }
+        let Outgoing::Local { blob, tokens } = self.outgoing(i, step, local) else {
+            return;
+        };
+        let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
+        self.nodes[i].arrivals.insert(id, at);
+        self.q.push(
+            at,
+            Ev::Engine {
+                node: i,
+                ev: Event::LocalUpdate { step, blob, tokens },
+            },
+        );
+    }
+
+    /// What honest engines report, counted for the metrics.
+    fn count_report(&mut self, i: usize, r: Report) {
+        let honest = self.nodes[i].role == Conduct::Honest;
+        match r {
+            Report::Desync { .. } => self.desyncs += 1,
+            Report::CheckpointRequested { .. } => self.ckpt.downloads += 1,
+            Report::CheckpointFailed { .. } => self.ckpt.failures += 1,
+            Report::Synced { .. } => self.ckpt.synced += 1,
+            Report::CheckpointLiar { peer } => match self.index.get(&peer) {
+                Some(&j) if self.liars.contains_key(&j) => {
+                    self.caught.insert((i, j));
+                    self.ckpt.liars_found += 1;
+                }
+                _ => self.ckpt.false_accusations += 1,
+            },
+            Report::Rejected { .. } => self.rejected += 1,
+            Report::SpotResult { sender, gain, .. } if honest => {
+                // `gain > 0` is the engine's pass rule (NaN fails).
+                let failed = !(gain > 0.0);
+                if self.hostile_ids.contains(&sender) {
+                    self.adv.spot_hostile += 1;
+                    self.adv.spot_hostile_failed += failed as u64;
+                } else {
+                    self.adv.spot_honest += 1;
+                    self.adv.spot_honest_failed += failed as u64;
+                }
+            }
+            Report::CopySuspected { .. } if honest => self.adv.copies += 1,
+            _ => {}
+        }
+    }
+
+    /// A penalty an honest node gave, counted as deserved or not.
+    fn count_penalty(&mut self, i: usize, peer: NodeId, reason: Offence, points: u32) {
+        if self.nodes[i].role == Conduct::Honest {
+            if self.hostile_ids.contains(&peer) {
+                self.adv.penalties += 1;
+                self.adv.penalty_points += points as u64;
+            } else {
+                self.adv.false_penalties += 1;
+            }
+            if matches!(reason, Offence::Equivocation { .. }) {
+                self.adv.equivocations += 1;
+            }
+        }
+    }
+
+    /// The shell disconnects a banned peer; counted as deserved or not.
+    fn ban(&mut self, i: usize, peer: NodeId, reason: Offence, now: Micros) {
+        // The shell disconnects a banned peer; gossipsub grafts others in its place.
+        if let Some(&j) = self.index.get(&peer) {
+            self.unlink(i, j, now);
+            let ckpt = matches!(reason, Offence::BadCheckpoint(_) | Offence::FalseCheckpoint);
+            if self.liars.contains_key(&j) {
+                self.caught.insert((i, j));
+            } else if ckpt && !self.hostile_ids.contains(&peer) {
+                self.ckpt.false_accusations += 1;
+            }
+        }
+        if self.nodes[i].role == Conduct::Honest {
+            if self.hostile_ids.contains(&peer) {
+                self.adv.bans += 1;
+            } else {
+                self.adv.false_bans += 1;
+            }
+        }
+    }
+
+    /// A spot check's gain: honest nodes recompute the sender's step; colluders pass each
+    /// other and fail everyone else.
+    fn spot_gain(&mut self, i: usize, step: u64, sender: NodeId, tokens: u64, bytes: &[u8]) -> f64 {
+        match self.nodes[i].role {
+            Conduct::Hostile(_) => {
+                if self.hostile_ids.contains(&sender) {
+                    1.0
+                } else {
+                    -1.0
+                }
+            }
+            // The engine validated the blob; a decode failure would be a bug, and NaN
+            // is a failed check, never a panic.
+            Conduct::Honest => match SparseUpdate::decode(bytes, bytes.len()) {
+                Ok(u) => {
+                    let params = self.nodes[i].params.clone();
+                    self.trainer.spot_check(&sender, step, &params, &u, tokens)
+                }
+                Err(_) => f64::NAN,
+            },
         }
     }
 
