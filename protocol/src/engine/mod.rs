@@ -60,6 +60,8 @@ mod peers;
 mod report;
 mod round;
 mod sync;
+mod tally;
+use tally::Tally;
 
 use defence::sketch;
 use fetch::{Want, Why};

@@ -336,32 +336,21 @@ impl Engine {
     fn listed(&mut self, step: u64) -> BTreeSet<ContentId> {
         let majority = self.run.defence.majority;
         let st = self.steps.entry(step).or_default();
-        // Votes per blob id: one per summary (ours included when it was published).
-        let mut votes: BTreeMap<ContentId, u32> = BTreeMap::new();
-        let mut voters = 0u32;
+        // One voter per summary (ours included when it was published).
+        let mut tally = Tally::new();
         if let Some(m) = &st.mine {
-            voters += 1;
-            for id in m {
-                *votes.entry(*id).or_default() += 1;
-            }
+            tally.voter(m.iter().copied());
         }
         for (p, s) in &st.summaries {
             if !self.peers.get(p).is_some_and(|x| x.banned) {
-                voters += 1;
-                for id in &s.body.updates {
-                    *votes.entry(*id).or_default() += 1;
-                }
+                tally.voter(s.body.updates.iter().copied());
             }
         }
         // Union (any summary suffices), or with `Defence::majority` more than half of
         // the summaries: then a hostile minority can neither push its own updates in
         // nor keep honest ones out.
-        let before = votes.len() as u64;
-        let listed: BTreeSet<ContentId> = votes
-            .into_iter()
-            .filter(|&(_, v)| !majority || 2 * v > voters)
-            .map(|(id, _)| id)
-            .collect();
+        let before = tally.choices() as u64;
+        let listed: BTreeSet<ContentId> = tally.chosen(!majority).collect();
         self.metrics.outvoted += before - listed.len() as u64;
         listed
     }

@@ -170,14 +170,18 @@ impl Engine {
             all.iter().copied().filter(|(p, _)| self.known(p)).collect();
         let quorum = self.run.limits.attest_quorum as usize;
         let pool = if known.len() >= quorum { known } else { all };
-        let mut tally: BTreeMap<Digest, Vec<NodeId>> = BTreeMap::new();
-        for (p, d) in &pool {
-            tally.entry(**d).or_default().push(**p);
+        let mut tally = Tally::new();
+        for (_, d) in &pool {
+            tally.voter([**d]);
         }
-        tally
-            .into_iter()
-            .filter(|(_, who)| who.len() >= quorum && 2 * who.len() > pool.len())
-            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then(b.0.cmp(&a.0)))
+        let d = tally.majority(quorum as u32)?;
+        Some((
+            d,
+            pool.iter()
+                .filter(|(_, x)| **x == d)
+                .map(|(p, _)| **p)
+                .collect(),
+        ))
     }
 
     pub(super) fn check_desync(&mut self, out: &mut Vec<Action>) {
@@ -190,32 +194,27 @@ impl Engine {
         // Only known peers outvote this node, and only as a strict majority of the known
         // peers speaking for this version with this node counted on its own side: strangers
         // (fresh keys) never do, however many.
-        let mut tally: BTreeMap<Digest, u32> = BTreeMap::new();
-        let mut voters = 1u32;
+        let mut tally = Tally::new();
+        tally.voter([self.digest]);
         for (p, d) in m {
             if self.known(p) {
-                voters += 1;
-                *tally.entry(*d).or_default() += 1;
+                tally.voter([*d]);
             }
         }
-        // Largest count wins; ties go to the smaller digest (any fixed rule will do).
-        let best = tally
-            .iter()
-            .filter(|(d, _)| **d != self.digest)
-            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)));
-        if let Some((d, &c)) = best {
-            if c >= self.run.limits.attest_quorum && 2 * c > voters {
-                self.metrics.desyncs += 1;
-                out.push(Action::Report(Report::Desync {
-                    version: self.version,
-                    mine: self.digest,
-                    majority: *d,
-                }));
-                self.sync = SyncState::Joining {
-                    requested: None,
-                    loaded: None,
-                };
-            }
+        if let Some(d) = tally
+            .majority(self.run.limits.attest_quorum)
+            .filter(|d| *d != self.digest)
+        {
+            self.metrics.desyncs += 1;
+            out.push(Action::Report(Report::Desync {
+                version: self.version,
+                mine: self.digest,
+                majority: d,
+            }));
+            self.sync = SyncState::Joining {
+                requested: None,
+                loaded: None,
+            };
         }
     }
 
