@@ -5,7 +5,7 @@ use clap::Subcommand;
 use protocol::config::{ModelConfig, ValueCodec};
 use protocol::sparse::{self, Layout, SparseUpdate};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 use train::demo::DctCodec;
 
@@ -113,147 +113,22 @@ pub(crate) fn run(c: CodecCmd) -> Result<()> {
     match c {
         CodecCmd::Encode {
             input,
-            knobs:
-                Knobs {
-                    chunk,
-                    topk,
-                    values,
-                },
+            knobs,
             output,
-        } => {
-            // Names and shapes from the header; then one tensor at a time through the
-            // encoder (sorted by name, so every encode agrees): the process holds one
-            // tensor and its temporaries, never the file (issue 16).
-            let (shapes, _) = train::hf::read_header(&input)
-                .with_context(|| format!("reading {}", input.display()))?;
-            if shapes.is_empty() {
-                bail!("{} holds no tensors", input.display());
-            }
-            let names: Vec<String> = shapes.iter().map(|(n, _)| n.clone()).collect();
-            let shapes: Vec<(String, Vec<u32>)> = shapes
-                .into_iter()
-                .map(|(n, s)| (n, s.into_iter().map(|d| d as u32).collect()))
-                .collect();
-            let layout = Layout::from_shapes(&shapes, chunk);
-            let codec = DctCodec::new(layout.clone(), Device::Cpu);
-            let mut parts = Vec::with_capacity(names.len());
-            train::hf::for_each_f32(&input, |i, name, mut t| {
-                debug_assert_eq!(name, names[i]);
-                parts.push(codec.encode_tensor(i, &mut t, topk, values));
-                Ok(())
-            })
-            .with_context(|| format!("reading {}", input.display()))?;
-            let update = SparseUpdate {
-                codec: values,
-                tensors: parts,
-            };
-            let blob = update.encode();
-            let f = CodecFile {
-                version: 1,
-                chunk,
-                names,
-                blob,
-            };
-            std::fs::write(&output, serde_cbor::to_vec(&f)?)?;
-            let numel = layout.numel();
-            println!(
-                "{} tensors, {} values -> update of {} bytes ({:.4} bits/value; dense bf16 would be {} bytes, {:.0}x more)",
-                layout.tensors.len(),
-                numel,
-                f.blob.len(),
-                f.blob.len() as f64 * 8.0 / numel as f64,
-                2 * numel,
-                (2 * numel) as f64 / f.blob.len() as f64
-            );
-            Ok(())
-        }
+        } => encode(&input, &knobs, &output),
         CodecCmd::Decode {
             updates,
             output,
             sign,
-        } => {
-            let mut files = Vec::new();
-            for p in &updates {
-                let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
-                let f: CodecFile = serde_cbor::from_slice(&bytes)
-                    .with_context(|| format!("{}: not a codec file", p.display()))?;
-                files.push(f);
-            }
-            let first = &files[0];
-            let mut ups = Vec::new();
-            for (p, f) in updates.iter().zip(&files) {
-                if f.names != first.names || f.chunk != first.chunk {
-                    bail!(
-                        "{} holds other tensors (or chunk) than {}",
-                        p.display(),
-                        updates[0].display()
-                    );
-                }
-                ups.push(
-                    SparseUpdate::decode(&f.blob, usize::MAX)
-                        .with_context(|| p.display().to_string())?,
-                );
-            }
-            let shapes: Vec<(String, Vec<u32>)> = first
-                .names
-                .iter()
-                .cloned()
-                .zip(ups[0].tensors.iter().map(|t| t.shape.clone()))
-                .collect();
-            let layout = Layout::from_shapes(&shapes, first.chunk);
-            for (p, u) in updates.iter().zip(&ups) {
-                u.validate(&layout, max_k(&ups[0]), ups[0].codec)
-                    .with_context(|| {
-                        format!("{} is not a valid update for these tensors", p.display())
-                    })?;
-            }
-            let refs: Vec<&SparseUpdate> = ups.iter().collect();
-            let agg = sparse::aggregate(&layout, &refs);
-            let codec = DctCodec::new(layout.clone(), Device::Cpu);
-            let out = if sign {
-                codec.exact_sign(&agg)
-            } else {
-                codec.decode_float(&agg)
-            };
-            let named: Vec<(&str, Tensor)> =
-                first.names.iter().map(|s| s.as_str()).zip(out).collect();
-            Tensor::write_safetensors(&named, &output)?;
-            println!("aggregated {} updates into {}", ups.len(), output.display());
-            Ok(())
-        }
+        } => decode(&updates, &output, sign),
         CodecCmd::Size {
             model,
             vocab,
-            knobs:
-                Knobs {
-                    chunk,
-                    topk,
-                    values,
-                },
+            knobs,
             peers,
             inner_steps,
             seqs,
-        } => {
-            let m = named(&model, vocab)?;
-            size_table(&m, chunk, topk, values, peers);
-            let bytes = sparse::encoded_size(&Layout::for_model(&m, chunk), topk, values) as f64;
-            let hh = inner_steps.max(1) as f64;
-            let tokens = hh * seqs as f64 * m.seq_len as f64;
-            println!(
-                "{:<44} {:>14.0}  (one exchange per {} batches)",
-                "per batch of training",
-                bytes / hh,
-                hh as u32
-            );
-            println!(
-                "{:<44} {:>14.2}  ({} seqs x {} tokens per batch)",
-                "per token trained",
-                bytes / tokens,
-                seqs,
-                m.seq_len
-            );
-            Ok(())
-        }
+        } => size(&model, vocab, &knobs, peers, inner_steps, seqs),
         CodecCmd::Bench {
             model,
             vocab,
@@ -271,6 +146,138 @@ pub(crate) fn run(c: CodecCmd) -> Result<()> {
             json,
         ),
     }
+}
+
+/// `codec encode`: every tensor of `input`, each treated as a momentum, into one update
+/// written to `output` with the tensor names.
+fn encode(input: &Path, knobs: &Knobs, output: &Path) -> Result<()> {
+    let (chunk, topk, values) = (knobs.chunk, knobs.topk, knobs.values);
+    // Names and shapes from the header; then one tensor at a time through the
+    // encoder (sorted by name, so every encode agrees): the process holds one
+    // tensor and its temporaries, never the file (issue 16).
+    let (shapes, _) =
+        train::hf::read_header(input).with_context(|| format!("reading {}", input.display()))?;
+    if shapes.is_empty() {
+        bail!("{} holds no tensors", input.display());
+    }
+    let names: Vec<String> = shapes.iter().map(|(n, _)| n.clone()).collect();
+    let shapes: Vec<(String, Vec<u32>)> = shapes
+        .into_iter()
+        .map(|(n, s)| (n, s.into_iter().map(|d| d as u32).collect()))
+        .collect();
+    let layout = Layout::from_shapes(&shapes, chunk);
+    let codec = DctCodec::new(layout.clone(), Device::Cpu);
+    let mut parts = Vec::with_capacity(names.len());
+    train::hf::for_each_f32(input, |i, name, mut t| {
+        debug_assert_eq!(name, names[i]);
+        parts.push(codec.encode_tensor(i, &mut t, topk, values));
+        Ok(())
+    })
+    .with_context(|| format!("reading {}", input.display()))?;
+    let update = SparseUpdate {
+        codec: values,
+        tensors: parts,
+    };
+    let blob = update.encode();
+    let f = CodecFile {
+        version: 1,
+        chunk,
+        names,
+        blob,
+    };
+    std::fs::write(output, serde_cbor::to_vec(&f)?)?;
+    let numel = layout.numel();
+    println!(
+        "{} tensors, {} values -> update of {} bytes ({:.4} bits/value; dense bf16 would be {} bytes, {:.0}x more)",
+        layout.tensors.len(),
+        numel,
+        f.blob.len(),
+        f.blob.len() as f64 * 8.0 / numel as f64,
+        2 * numel,
+        (2 * numel) as f64 / f.blob.len() as f64
+    );
+    Ok(())
+}
+
+/// `codec decode`: aggregate the update files and inverse-DCT them (or take the exact sign)
+/// into the safetensors file `output`.
+fn decode(updates: &[PathBuf], output: &Path, sign: bool) -> Result<()> {
+    let mut files = Vec::new();
+    for p in updates {
+        let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+        let f: CodecFile = serde_cbor::from_slice(&bytes)
+            .with_context(|| format!("{}: not a codec file", p.display()))?;
+        files.push(f);
+    }
+    let first = &files[0];
+    let mut ups = Vec::new();
+    for (p, f) in updates.iter().zip(&files) {
+        if f.names != first.names || f.chunk != first.chunk {
+            bail!(
+                "{} holds other tensors (or chunk) than {}",
+                p.display(),
+                updates[0].display()
+            );
+        }
+        ups.push(
+            SparseUpdate::decode(&f.blob, usize::MAX).with_context(|| p.display().to_string())?,
+        );
+    }
+    let shapes: Vec<(String, Vec<u32>)> = first
+        .names
+        .iter()
+        .cloned()
+        .zip(ups[0].tensors.iter().map(|t| t.shape.clone()))
+        .collect();
+    let layout = Layout::from_shapes(&shapes, first.chunk);
+    for (p, u) in updates.iter().zip(&ups) {
+        u.validate(&layout, max_k(&ups[0]), ups[0].codec)
+            .with_context(|| format!("{} is not a valid update for these tensors", p.display()))?;
+    }
+    let refs: Vec<&SparseUpdate> = ups.iter().collect();
+    let agg = sparse::aggregate(&layout, &refs);
+    let codec = DctCodec::new(layout.clone(), Device::Cpu);
+    let out = if sign {
+        codec.exact_sign(&agg)
+    } else {
+        codec.decode_float(&agg)
+    };
+    let named: Vec<(&str, Tensor)> = first.names.iter().map(|s| s.as_str()).zip(out).collect();
+    Tensor::write_safetensors(&named, output)?;
+    println!("aggregated {} updates into {}", ups.len(), output.display());
+    Ok(())
+}
+
+/// `codec size`: the size table of one update for a named model, then its bytes per batch
+/// and per token trained.
+fn size(
+    model: &str,
+    vocab: u32,
+    knobs: &Knobs,
+    peers: u64,
+    inner_steps: u32,
+    seqs: u32,
+) -> Result<()> {
+    let (chunk, topk, values) = (knobs.chunk, knobs.topk, knobs.values);
+    let m = named(model, vocab)?;
+    size_table(&m, chunk, topk, values, peers);
+    let bytes = sparse::encoded_size(&Layout::for_model(&m, chunk), topk, values) as f64;
+    let hh = inner_steps.max(1) as f64;
+    let tokens = hh * seqs as f64 * m.seq_len as f64;
+    println!(
+        "{:<44} {:>14.0}  (one exchange per {} batches)",
+        "per batch of training",
+        bytes / hh,
+        hh as u32
+    );
+    println!(
+        "{:<44} {:>14.2}  ({} seqs x {} tokens per batch)",
+        "per token trained",
+        bytes / tokens,
+        seqs,
+        m.seq_len
+    );
+    Ok(())
 }
 
 /// Peak resident memory of this process so far (VmHWM), in bytes; None off Linux.
@@ -411,6 +418,12 @@ fn bench(
         peak_rss_encode_bytes: peak_encode,
         rss_before_bytes: rss_before,
     };
+    print_bench(&b, json)
+}
+
+/// Print `codec bench`'s figures as a table, and write them as JSON to `json` when asked.
+fn print_bench(b: &Bench, json: Option<PathBuf>) -> Result<()> {
+    let params = b.params;
     println!(
         "{} ({} params) on {}: update {} B",
         b.model, b.params, b.device, b.update_bytes
@@ -443,7 +456,7 @@ fn bench(
         );
     }
     if let Some(j) = json {
-        std::fs::write(&j, serde_json::to_string_pretty(&b)?)?;
+        std::fs::write(&j, serde_json::to_string_pretty(b)?)?;
         println!("wrote {}", j.display());
     }
     Ok(())

@@ -38,7 +38,8 @@ use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::gauge::Gauge;
 use protocol::download;
-use protocol::engine::{Action, Engine, Event, Report, Verdict, KEEP_SNAPSHOTS};
+use protocol::engine::{Action, Blob, Engine, Event, Included, Report, Verdict, KEEP_SNAPSHOTS};
+use protocol::error::Offence;
 use protocol::run::RunConfig;
 use protocol::wire::caps;
 use tokio::sync::mpsc;
@@ -498,51 +499,16 @@ impl Node {
 
     fn act(&mut self, a: Action) {
         match a {
-            Action::Publish { bytes } => {
-                if let Err(e) = self
-                    .swarm
-                    .behaviour_mut()
-                    .gossipsub
-                    .publish(self.gossip.topic.clone(), bytes)
-                {
-                    tracing::debug!("publish: {e}");
-                }
-            }
+            Action::Publish { bytes } => self.publish(bytes),
             Action::Send { peer, bytes } => {
                 self.swarm
                     .behaviour_mut()
                     .rr
                     .send_request(&net::peer_id(&peer), Request::Frame(bytes));
             }
-            Action::Verdict { tag, verdict } => {
-                if let Some((id, src)) = self.gossip.tags.remove(&tag) {
-                    let v = match verdict {
-                        Verdict::Accept => MessageAcceptance::Accept,
-                        Verdict::Reject => MessageAcceptance::Reject,
-                        Verdict::Ignore => MessageAcceptance::Ignore,
-                    };
-                    self.swarm
-                        .behaviour_mut()
-                        .gossipsub
-                        .report_message_validation_result(&id, &src, v);
-                }
-            }
-            Action::Fetch { peer, blob } => {
-                let r = self
-                    .swarm
-                    .behaviour_mut()
-                    .rr
-                    .send_request(&net::peer_id(&peer), Request::Blob(blob));
-                self.fetches.insert(r, (peer, blob));
-            }
-            Action::Request { peer, req } => {
-                let id = self
-                    .swarm
-                    .behaviour_mut()
-                    .rr
-                    .send_request(&net::peer_id(&peer), req.clone());
-                self.ckpt_requests.insert(id, (peer, req));
-            }
+            Action::Verdict { tag, verdict } => self.on_verdict(tag, verdict),
+            Action::Fetch { peer, blob } => self.fetch(peer, blob),
+            Action::Request { peer, req } => self.request(peer, req),
             Action::Respond { token, bytes } => self.respond(token, bytes),
             Action::ServeChunk {
                 token,
@@ -550,89 +516,158 @@ impl Node {
                 index,
                 offset,
                 len,
-            } => {
-                let frame = self
-                    .snapshots
-                    .iter()
-                    .find(|s| s.version == version)
-                    .map(|s| s.stream_range(offset, len))
-                    .map(|data| download::chunk_frame(self.engine.run_id(), version, index, data));
-                self.respond(token, frame.unwrap_or_default());
-            }
-            Action::Snapshot => {
-                // Someone is joining: a large model keeps snapshots for a while so that its
-                // retry finds one (a small one takes one after every step anyway).
-                if self.params > SNAPSHOT_EVERY_STEP_PARAMS {
-                    self.snapshot_until = now_ms() + 20 * self.engine.run().timing.period_ms;
-                    self.to_trainer(Cmd::Snapshot);
-                }
-            }
+            } => self.serve_chunk(token, version, index, offset, len),
+            Action::Snapshot => self.on_joiner(),
             Action::LoadCheckpoint {
                 version, tensors, ..
             } => self.to_trainer(Cmd::Load { version, tensors }),
-            Action::StartStep { step, .. } => {
-                // Seeds and relays follow the run without training.
-                if self.done_at.is_none() && self.role == Role::Trainer {
-                    self.to_trainer(Cmd::Train { step });
-                }
-            }
+            Action::StartStep { step, .. } => self.start_step(step),
             Action::Apply { step, .. } if self.steps.is_some_and(|n| step >= n) => {
                 // Past the run's last step (`--steps`): the node is winding down, and applying
                 // would move its parameters (and last checkpoint) past the version it reports.
                 tracing::debug!(step, "past the last step: not applied");
             }
-            Action::Apply { step, updates } => {
-                if let Some(h) = self.hostile.as_mut() {
-                    h.on_applied(self.engine.run(), &self.engine.node_id(), &updates);
-                }
-                let t: u64 = updates.iter().map(|u| u.tokens).sum();
-                self.per_step.tokens.entry(step).or_default().1 = t;
-                self.to_trainer(Cmd::Apply { step, updates })
-            }
-            Action::Penalize { peer, reason, .. } => {
-                tracing::info!(%peer, %reason, "penalized");
-                self.report.penalties += 1;
-                self.show(crate::tui::Update::Offence {
-                    peer: peer.peer_id_string(),
-                    reason: reason.to_string(),
-                    ban: false,
-                });
-                let s = self.engine.score(&peer) as f64;
-                self.swarm
-                    .behaviour_mut()
-                    .gossipsub
-                    .set_application_score(&net::peer_id(&peer), -s);
-            }
-            Action::Ban { peer, reason } => {
-                tracing::warn!(%peer, %reason, "banned");
-                self.report.bans += 1;
-                self.show(crate::tui::Update::Offence {
-                    peer: peer.peer_id_string(),
-                    reason: reason.to_string(),
-                    ban: true,
-                });
-                self.cut_off(&peer);
-            }
+            Action::Apply { step, updates } => self.apply(step, updates),
+            Action::Penalize { peer, reason, .. } => self.penalize(peer, reason),
+            Action::Ban { peer, reason } => self.ban(peer, reason),
             Action::SpotCheck {
                 step,
                 sender,
                 blob,
                 tokens,
                 bytes,
-            } => {
-                // Checks are advisory and cost two forward passes each: under a backlog (a
-                // slow machine) skip them rather than fall behind the step clock.
-                if self.trainer.backlog.len() < MAX_SPOT_BACKLOG {
-                    self.to_trainer(Cmd::SpotCheck {
-                        step,
-                        sender,
-                        blob,
-                        tokens,
-                        bytes: bytes.0.to_vec(),
-                    });
-                }
-            }
+            } => self.spot_check(step, sender, blob, tokens, bytes),
             Action::Report(r) => self.on_report(r),
+        }
+    }
+
+    /// Publish a frame on the run's gossip topic (a failure, e.g. no peers yet, is logged).
+    fn publish(&mut self, bytes: Vec<u8>) {
+        if let Err(e) = self
+            .swarm
+            .behaviour_mut()
+            .gossipsub
+            .publish(self.gossip.topic.clone(), bytes)
+        {
+            tracing::debug!("publish: {e}");
+        }
+    }
+
+    /// Tell gossipsub the engine's verdict on a message it held back for validation.
+    fn on_verdict(&mut self, tag: u64, verdict: Verdict) {
+        if let Some((id, src)) = self.gossip.tags.remove(&tag) {
+            let v = match verdict {
+                Verdict::Accept => MessageAcceptance::Accept,
+                Verdict::Reject => MessageAcceptance::Reject,
+                Verdict::Ignore => MessageAcceptance::Ignore,
+            };
+            self.swarm
+                .behaviour_mut()
+                .gossipsub
+                .report_message_validation_result(&id, &src, v);
+        }
+    }
+
+    /// Ask a peer for an update blob, remembering which request it was.
+    fn fetch(&mut self, peer: NodeId, blob: ContentId) {
+        let r = self
+            .swarm
+            .behaviour_mut()
+            .rr
+            .send_request(&net::peer_id(&peer), Request::Blob(blob));
+        self.fetches.insert(r, (peer, blob));
+    }
+
+    /// Send a checkpoint request to a peer, remembering it for the answer.
+    fn request(&mut self, peer: NodeId, req: Request) {
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .rr
+            .send_request(&net::peer_id(&peer), req.clone());
+        self.ckpt_requests.insert(id, (peer, req));
+    }
+
+    /// Answer a checkpoint chunk request from a kept snapshot (empty when it is gone).
+    fn serve_chunk(&mut self, token: u64, version: u64, index: u32, offset: u64, len: u64) {
+        let frame = self
+            .snapshots
+            .iter()
+            .find(|s| s.version == version)
+            .map(|s| s.stream_range(offset, len))
+            .map(|data| download::chunk_frame(self.engine.run_id(), version, index, data));
+        self.respond(token, frame.unwrap_or_default());
+    }
+
+    /// Someone asked for a snapshot: keep taking them for a while (large models only).
+    fn on_joiner(&mut self) {
+        // Someone is joining: a large model keeps snapshots for a while so that its
+        // retry finds one (a small one takes one after every step anyway).
+        if self.params > SNAPSHOT_EVERY_STEP_PARAMS {
+            self.snapshot_until = now_ms() + 20 * self.engine.run().timing.period_ms;
+            self.to_trainer(Cmd::Snapshot);
+        }
+    }
+
+    /// A step starts: a trainer that is still running trains it.
+    fn start_step(&mut self, step: u64) {
+        // Seeds and relays follow the run without training.
+        if self.done_at.is_none() && self.role == Role::Trainer {
+            self.to_trainer(Cmd::Train { step });
+        }
+    }
+
+    /// Apply a step's updates: the hostile part sees them, the step's tokens are counted, and
+    /// the trainer applies them.
+    fn apply(&mut self, step: u64, updates: Vec<Included>) {
+        if let Some(h) = self.hostile.as_mut() {
+            h.on_applied(self.engine.run(), &self.engine.node_id(), &updates);
+        }
+        let t: u64 = updates.iter().map(|u| u.tokens).sum();
+        self.per_step.tokens.entry(step).or_default().1 = t;
+        self.to_trainer(Cmd::Apply { step, updates })
+    }
+
+    /// A peer is penalized: logged, counted, shown, and its gossip score lowered.
+    fn penalize(&mut self, peer: NodeId, reason: Offence) {
+        tracing::info!(%peer, %reason, "penalized");
+        self.report.penalties += 1;
+        self.show(crate::tui::Update::Offence {
+            peer: peer.peer_id_string(),
+            reason: reason.to_string(),
+            ban: false,
+        });
+        let s = self.engine.score(&peer) as f64;
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .set_application_score(&net::peer_id(&peer), -s);
+    }
+
+    /// A peer is banned: logged, counted, shown, and cut off.
+    fn ban(&mut self, peer: NodeId, reason: Offence) {
+        tracing::warn!(%peer, %reason, "banned");
+        self.report.bans += 1;
+        self.show(crate::tui::Update::Offence {
+            peer: peer.peer_id_string(),
+            reason: reason.to_string(),
+            ban: true,
+        });
+        self.cut_off(&peer);
+    }
+
+    /// Spot-check a peer's update on the trainer, unless the trainer is behind.
+    fn spot_check(&mut self, step: u64, sender: NodeId, blob: ContentId, tokens: u64, bytes: Blob) {
+        // Checks are advisory and cost two forward passes each: under a backlog (a
+        // slow machine) skip them rather than fall behind the step clock.
+        if self.trainer.backlog.len() < MAX_SPOT_BACKLOG {
+            self.to_trainer(Cmd::SpotCheck {
+                step,
+                sender,
+                blob,
+                tokens,
+                bytes: bytes.0.to_vec(),
+            });
         }
     }
 

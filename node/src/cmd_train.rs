@@ -7,7 +7,8 @@ use protocol::config::{Lookahead, ModelConfig, OptimConfig, ValueCodec};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use train::data::{Corpus, DataSpec};
-use train::run::{Optimizer, Schedule, TrainOptions};
+use train::model::Llama;
+use train::run::{Optimizer, Schedule, TrainOptions, TrainReport};
 
 #[derive(Args, Debug)]
 #[command(
@@ -205,6 +206,56 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     let device = train::parse_device(&a.device)?;
     let spec = data_spec(&a.data, a.tokenizer.as_ref(), a.token_width);
     let corpus = Corpus::open(&spec).with_context(|| format!("opening --data {}", a.data))?;
+    let model = model_config(&a, &corpus)?;
+    let opts = train_options(&a, &model);
+    eprintln!("data: {}", corpus.describe());
+    eprintln!(
+        "model: {} ({} params, vocab {}), optimizer {:?}, schedule {:?}, {} replicas × {} seqs × {} tokens, device {:?}",
+        model.name,
+        model.param_count(),
+        model.vocab,
+        a.optimizer,
+        a.schedule,
+        a.replicas,
+        a.batch,
+        model.seq_len,
+        device
+    );
+    if let Some(f) = corpus.loss_floor(model.seq_len as usize) {
+        eprintln!("loss floor (exact, this corpus and sequence length): {f:.4} nats/token");
+    }
+    let (pb, tty) = progress_bar(a.steps);
+    let mut last_eval = None;
+    let every = (a.steps / 10).max(1);
+    let hh = opts.optim.inner_steps();
+    let (model_out, report) = train::run::train(&opts, &corpus, device, |r| {
+        if let Some(e) = r.eval_loss {
+            last_eval = Some(e);
+        }
+        let msg = format!(
+            "loss {:.4}  eval {}  lr {:.2e}  sent {} B/step",
+            r.train_loss,
+            last_eval.map(|e| format!("{e:.4}")).unwrap_or("-".into()),
+            r.lr,
+            r.bytes_sent
+        );
+        pb.set_message(msg.clone());
+        // A record covers one batch, or a window of H of them for local steps.
+        let covered = (r.step + 1).saturating_sub(hh)..=r.step;
+        pb.set_position(r.step as u64 + 1);
+        if !tty && (covered.clone().any(|s| s % every == 0) || r.step + hh >= a.steps) {
+            eprintln!("step {}/{}: {msg}", r.step + 1, a.steps);
+        }
+    })?;
+    pb.finish_and_clear();
+    print_summary(&a, &opts, &model, &report);
+    write_outputs(&a, &model_out, report)?;
+    Ok(())
+}
+
+/// The model to train: the one `--init`'s file holds, or the named `--model` for the corpus's
+/// vocabulary.
+fn model_config(a: &TrainArgs, corpus: &Corpus) -> Result<ModelConfig> {
     let model = match &a.init {
         Some(p) => {
             // The header names the model; the values are read once, by the trainer.
@@ -219,6 +270,12 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             None => bail!("unknown model {:?} (expected tiny, small or 1.2b)", a.model),
         },
     };
+    Ok(model)
+}
+
+/// The trainer's options from the arguments, with the defaults that depend on the optimizer
+/// (combine rule, outer rate, top-k, value codec, inner optimizer's rate and decay).
+fn train_options(a: &TrainArgs, model: &ModelConfig) -> TrainOptions {
     let warmup = a.warmup.unwrap_or((a.steps / 10).min(250));
     let local = a.optimizer == Optimizer::Local;
     let combine = match a.combine {
@@ -235,7 +292,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         } else {
             0.7
         });
-    let opts = TrainOptions {
+    TrainOptions {
         model: model.clone(),
         optimizer: a.optimizer,
         replicas: a.replicas,
@@ -275,25 +332,14 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         eval_batches: a.eval_batches,
         schedule: a.schedule,
         init: a.init.as_ref().map(|p| p.display().to_string()),
-    };
-    eprintln!("data: {}", corpus.describe());
-    eprintln!(
-        "model: {} ({} params, vocab {}), optimizer {:?}, schedule {:?}, {} replicas × {} seqs × {} tokens, device {:?}",
-        model.name,
-        model.param_count(),
-        model.vocab,
-        a.optimizer,
-        a.schedule,
-        a.replicas,
-        a.batch,
-        model.seq_len,
-        device
-    );
-    if let Some(f) = corpus.loss_floor(model.seq_len as usize) {
-        eprintln!("loss floor (exact, this corpus and sequence length): {f:.4} nats/token");
     }
+}
+
+/// The progress bar (drawn only on a terminal; elsewhere progress goes to stderr as lines),
+/// and whether stderr is a terminal.
+fn progress_bar(steps: u32) -> (ProgressBar, bool) {
     let tty = std::io::stderr().is_terminal();
-    let pb = ProgressBar::new(a.steps as u64);
+    let pb = ProgressBar::new(steps as u64);
     if tty {
         pb.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]")
@@ -302,29 +348,13 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     } else {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let mut last_eval = None;
-    let every = (a.steps / 10).max(1);
-    let hh = opts.optim.inner_steps();
-    let (model_out, report) = train::run::train(&opts, &corpus, device, |r| {
-        if let Some(e) = r.eval_loss {
-            last_eval = Some(e);
-        }
-        let msg = format!(
-            "loss {:.4}  eval {}  lr {:.2e}  sent {} B/step",
-            r.train_loss,
-            last_eval.map(|e| format!("{e:.4}")).unwrap_or("-".into()),
-            r.lr,
-            r.bytes_sent
-        );
-        pb.set_message(msg.clone());
-        // A record covers one batch, or a window of H of them for local steps.
-        let covered = (r.step + 1).saturating_sub(hh)..=r.step;
-        pb.set_position(r.step as u64 + 1);
-        if !tty && (covered.clone().any(|s| s % every == 0) || r.step + hh >= a.steps) {
-            eprintln!("step {}/{}: {msg}", r.step + 1, a.steps);
-        }
-    })?;
-    pb.finish_and_clear();
+    (pb, tty)
+}
+
+/// Print the run's final figures: eval loss, gap to the loss floor, update size, codec share,
+/// wall time and parameter digest.
+fn print_summary(a: &TrainArgs, opts: &TrainOptions, model: &ModelConfig, report: &TrainReport) {
+    let local = a.optimizer == Optimizer::Local;
     println!("final eval loss: {:.4}", report.final_eval_loss);
     if let Some(f) = report.loss_floor {
         println!(
@@ -355,6 +385,10 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     }
     println!("wall time:       {:.1} s", report.wall_seconds);
     println!("param digest:    {}", report.final_digest);
+}
+
+/// Save the weights (`--save`) and write the report and its loss plot (`--report`).
+fn write_outputs(a: &TrainArgs, model_out: &Llama, report: TrainReport) -> Result<()> {
     if let Some(path) = &a.save {
         model_out
             .save(path)

@@ -21,9 +21,10 @@ use std::collections::VecDeque;
 use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::engine::Included;
 use protocol::run::{RunConfig, RunId};
-use protocol::sparse::SparseUpdate;
+use protocol::sparse::{Layout, SparseUpdate};
 use protocol::wire::{Message, Signed, StepSummary};
 use sim::adversary::{self as adv, Attack};
+use sim::rng::Rng;
 
 use crate::trainer::Snapshot;
 
@@ -222,19 +223,7 @@ impl Hostile {
                 };
             }
         }
-        let forged_with = |b: &[u8], tokens: u64| {
-            adv::forge(
-                run,
-                forge.run_id,
-                forge.me,
-                forge.pow,
-                step,
-                forge.base,
-                b,
-                tokens,
-            )
-        };
-        let forged = |b: &[u8]| forged_with(b, tokens);
+        let forged = |b: &[u8]| forge_frames(run, &forge, step, b, tokens);
         match self.kind {
             Adversary::Signflip
             | Adversary::Noise
@@ -263,80 +252,125 @@ impl Hostile {
                 }
             }
             Adversary::Malformed => {
-                let max = run.limits.max_message_bytes as usize;
-                match adv::malformed(step, &u, &layout, max, &mut rng) {
-                    adv::Bad::Frame(f) => Move::Raw {
-                        gossip: vec![f],
-                        serve: Vec::new(),
-                    },
-                    adv::Bad::Blob(bad) => {
-                        let (id, announce, upd) = forged(&bad);
-                        Move::Raw {
-                            gossip: vec![announce],
-                            serve: vec![(id, upd)],
-                        }
-                    }
-                }
+                malformed_move(run, &forge, step, &u, &layout, tokens, &mut rng)
             }
             Adversary::FalseCheckpoint => Move::Update { blob, tokens },
-            Adversary::ForgeVotes => {
-                // The update claims a token count no honest node makes, so a drill can tell
-                // from the applied tokens whether it ever got in.
-                let (id, announce, upd) = forged_with(&blob, FORGER_TOKENS);
-                let forged = Digest(
-                    *blake3::hash(&[&b"forged"[..], &step.to_le_bytes()].concat()).as_bytes(),
-                );
-                let summary = |updates: Vec<ContentId>| {
-                    Message::Summary(Signed::sign(
-                        StepSummary {
-                            run: forge.run_id,
-                            step,
-                            sender: forge.me.node_id(),
-                            updates,
-                            params_version: forge.base.0,
-                            params_digest: forged,
-                            pow: forge.pow,
-                        },
-                        forge.me,
-                    ))
-                    .encode()
-                };
-                Move::Raw {
-                    gossip: vec![announce, summary(vec![id]), summary(Vec::new())],
-                    serve: vec![(id, upd)],
-                }
-            }
-            Adversary::Crowd => {
-                if step < CROWD_FROM {
-                    return Move::Nothing;
-                }
-                if self.crowd.is_empty() {
-                    let seed = forge.me.seed();
-                    self.crowd = (0..CROWD_KEYS as u64)
-                        .map(|i| {
-                            let id = Identity::from_seed(
-                                *blake3::hash(&[&seed[..], &i.to_le_bytes()].concat()).as_bytes(),
-                            );
-                            let pow = crypto::pow::solve(
-                                &forge.run_id.0,
-                                &id.node_id(),
-                                run.defence.pow_bits,
-                            );
-                            (id, pow)
-                        })
-                        .collect();
-                }
-                let free = adv::zero(&layout, k, run.optim.values).encode();
-                let (mut gossip, mut serve) = (Vec::new(), Vec::new());
-                for (id, pow) in &self.crowd {
-                    let (bid, announce, upd) =
-                        adv::forge(run, forge.run_id, id, *pow, step, forge.base, &free, 1);
-                    gossip.push(announce);
-                    serve.push((bid, upd));
-                }
-                Move::Raw { gossip, serve }
+            Adversary::ForgeVotes => forge_votes(run, &forge, step, &blob),
+            Adversary::Crowd => self.crowd_move(run, &forge, step, &layout, k),
+        }
+    }
+
+    /// `crowd`: from step `CROWD_FROM`, a zero update from each of `CROWD_KEYS` identities
+    /// derived from this node's key (made, with their proofs of work, on first use).
+    fn crowd_move(
+        &mut self,
+        run: &RunConfig,
+        forge: &Forge,
+        step: u64,
+        layout: &Layout,
+        k: u32,
+    ) -> Move {
+        if step < CROWD_FROM {
+            return Move::Nothing;
+        }
+        if self.crowd.is_empty() {
+            let seed = forge.me.seed();
+            self.crowd = (0..CROWD_KEYS as u64)
+                .map(|i| {
+                    let id = Identity::from_seed(
+                        *blake3::hash(&[&seed[..], &i.to_le_bytes()].concat()).as_bytes(),
+                    );
+                    let pow =
+                        crypto::pow::solve(&forge.run_id.0, &id.node_id(), run.defence.pow_bits);
+                    (id, pow)
+                })
+                .collect();
+        }
+        let free = adv::zero(layout, k, run.optim.values).encode();
+        let (mut gossip, mut serve) = (Vec::new(), Vec::new());
+        for (id, pow) in &self.crowd {
+            let (bid, announce, upd) =
+                adv::forge(run, forge.run_id, id, *pow, step, forge.base, &free, 1);
+            gossip.push(announce);
+            serve.push((bid, upd));
+        }
+        Move::Raw { gossip, serve }
+    }
+}
+
+/// A forged header for blob `b` claiming `tokens`, signed by `forge`'s identity: the blob id,
+/// the announce frame and the update frame.
+fn forge_frames(
+    run: &RunConfig,
+    forge: &Forge,
+    step: u64,
+    b: &[u8],
+    tokens: u64,
+) -> (ContentId, Vec<u8>, Vec<u8>) {
+    adv::forge(
+        run,
+        forge.run_id,
+        forge.me,
+        forge.pow,
+        step,
+        forge.base,
+        b,
+        tokens,
+    )
+}
+
+/// `malformed`: this step's malformation of the node's own update, either a bad frame or a
+/// forged header for a bad blob.
+fn malformed_move(
+    run: &RunConfig,
+    forge: &Forge,
+    step: u64,
+    u: &SparseUpdate,
+    layout: &Layout,
+    tokens: u64,
+    rng: &mut Rng,
+) -> Move {
+    let max = run.limits.max_message_bytes as usize;
+    match adv::malformed(step, u, layout, max, rng) {
+        adv::Bad::Frame(f) => Move::Raw {
+            gossip: vec![f],
+            serve: Vec::new(),
+        },
+        adv::Bad::Blob(bad) => {
+            let (id, announce, upd) = forge_frames(run, forge, step, &bad, tokens);
+            Move::Raw {
+                gossip: vec![announce],
+                serve: vec![(id, upd)],
             }
         }
+    }
+}
+
+/// `forge-votes`: an update claiming `FORGER_TOKENS`, and two summaries signed over a made-up
+/// parameter digest (one listing the update, one empty).
+fn forge_votes(run: &RunConfig, forge: &Forge, step: u64, blob: &[u8]) -> Move {
+    // The update claims a token count no honest node makes, so a drill can tell
+    // from the applied tokens whether it ever got in.
+    let (id, announce, upd) = forge_frames(run, forge, step, blob, FORGER_TOKENS);
+    let forged = Digest(*blake3::hash(&[&b"forged"[..], &step.to_le_bytes()].concat()).as_bytes());
+    let summary = |updates: Vec<ContentId>| {
+        Message::Summary(Signed::sign(
+            StepSummary {
+                run: forge.run_id,
+                step,
+                sender: forge.me.node_id(),
+                updates,
+                params_version: forge.base.0,
+                params_digest: forged,
+                pow: forge.pow,
+            },
+            forge.me,
+        ))
+        .encode()
+    };
+    Move::Raw {
+        gossip: vec![announce, summary(vec![id]), summary(Vec::new())],
+        serve: vec![(id, upd)],
     }
 }
 

@@ -23,7 +23,40 @@ use std::time::Instant;
 use sim::adversary::{self, Attack};
 use sim::scenario::TrainerKind;
 
+/// The command line (see the file's docs).
+struct Args {
+    scenario: Option<PathBuf>,
+    out: PathBuf,
+    trainer: Option<TrainerKind>,
+    fractions: Vec<f64>,
+    steps: Option<u64>,
+    only: Vec<String>,
+    nodes: Option<usize>,
+    jobs: usize,
+    no_accuse: bool,
+    defended: bool,
+    undefended_rows: bool,
+}
+
 fn main() {
+    let args = parse_args();
+    let base = base_scenario(&args);
+    let (attacks, defences) = rows_to_run(&args);
+    let t0 = Instant::now();
+    let rows = adversary::sweep(
+        &base,
+        &attacks,
+        &args.fractions,
+        &defences,
+        args.jobs,
+        &|l| eprintln!("[{:6.1}s] {l}", t0.elapsed().as_secs_f64()),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    write_outputs(&args, &base, &rows, t0);
+}
+
+/// Parse the command line; a bad argument panics with its name.
+fn parse_args() -> Args {
     let mut args = std::env::args().skip(1);
     let mut scenario: Option<PathBuf> = None;
     let mut out = PathBuf::from("runs/attacks");
@@ -71,7 +104,26 @@ fn main() {
             _ => panic!("unknown argument {a} (see the file's docs)"),
         }
     }
-    let scenario = scenario.unwrap_or_else(|| {
+    Args {
+        scenario,
+        out,
+        trainer,
+        fractions,
+        steps,
+        only,
+        nodes,
+        jobs,
+        no_accuse,
+        defended,
+        undefended_rows,
+    }
+}
+
+/// The base scenario (the named file, or the default for the trainer) with the command line's
+/// trainer, steps, accusations and node count applied.
+fn base_scenario(args: &Args) -> sim::Scenario {
+    let trainer = args.trainer;
+    let scenario = args.scenario.clone().unwrap_or_else(|| {
         let file = match trainer {
             Some(TrainerKind::Tiny) => "scenarios/attacks_tiny.toml",
             _ => "scenarios/attacks.toml",
@@ -82,19 +134,26 @@ fn main() {
     if let Some(t) = trainer {
         base.trainer.kind = t;
     }
-    if let Some(s) = steps {
+    if let Some(s) = args.steps {
         base.steps = s;
     }
-    if no_accuse {
+    if args.no_accuse {
         base.defence = sim::scenario::DefenceSpec::Fields(protocol::run::Defence {
             accuse: false,
             ..protocol::run::Defence::full()
         });
     }
-    if let Some(n) = nodes {
+    if let Some(n) = args.nodes {
         base = base.with_nodes(n);
         base.name = base.name.trim_end_matches(&format!("-n{n}")).to_string();
     }
+    base
+}
+
+/// The attacks to run (`--only`, else all) and the defence settings to run them under: with
+/// defences on, and off for the content attacks the defences are for.
+fn rows_to_run(args: &Args) -> (Vec<Attack>, Vec<(bool, Vec<Attack>)>) {
+    let only = &args.only;
     if let Some(o) = only
         .iter()
         .find(|o| !Attack::all().iter().any(|a| a.name() == o.as_str()))
@@ -118,18 +177,20 @@ fn main() {
         Attack::Ipm { epsilon: 0.1 },
     ];
     let mut defences = Vec::new();
-    if defended {
+    if args.defended {
         defences.push((true, Vec::new()));
     }
-    if undefended_rows {
+    if args.undefended_rows {
         defences.push((false, undefended));
     }
-    let t0 = Instant::now();
-    let rows = adversary::sweep(&base, &attacks, &fractions, &defences, jobs, &|l| {
-        eprintln!("[{:6.1}s] {l}", t0.elapsed().as_secs_f64())
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    let table = adversary::markdown(&rows, 2.0);
+    (attacks, defences)
+}
+
+/// Print the table and write `table.md` and `attacks.json` into `--out`.
+fn write_outputs(args: &Args, base: &sim::Scenario, rows: &[adversary::Row], t0: Instant) {
+    let out = &args.out;
+    let no_accuse = args.no_accuse;
+    let table = adversary::markdown(rows, 2.0);
     let head = format!(
         "Scenario `{}`: {} nodes, {} steps, seed {}, trainer {:?}, values {:?}, k {}, accusations {}. % worse = final loss vs the honest-only run with the same defences; ✗ = over the 2% target at 25% with defences on.\n\n",
         base.name,
@@ -142,11 +203,11 @@ fn main() {
         if no_accuse { "off" } else { "on" }
     );
     print!("{head}{table}");
-    std::fs::create_dir_all(&out).unwrap();
+    std::fs::create_dir_all(out).unwrap();
     std::fs::write(out.join("table.md"), format!("{head}{table}")).unwrap();
     std::fs::write(
         out.join("attacks.json"),
-        serde_json::to_string_pretty(&rows).unwrap(),
+        serde_json::to_string_pretty(rows).unwrap(),
     )
     .unwrap();
     eprintln!(

@@ -25,14 +25,28 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
     let root = BitMapBackend::new(out, (1000, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let (top, bottom) = root.split_vertically(560);
+    let steps = x_extent(reports);
+    draw_loss_panel(&top, reports, steps)?;
+    draw_bytes_panel(&bottom, reports, steps)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// The end of the step axis shared by both panels.
+fn x_extent(reports: &[(String, TrainReport)]) -> f64 {
     // The x axis runs to the last step recorded: a local-steps report records one entry per
     // window, at the window's last batch, so counting entries cut its second half off.
-    let steps = reports
+    reports
         .iter()
         .filter_map(|(_, r)| r.steps.last().map(|s| s.step as usize + 1))
         .max()
         .unwrap_or(1)
-        .max(1) as f64;
+        .max(1) as f64
+}
+
+/// The loss axis's range: from the lowest finite loss (train, eval or floor) to the highest
+/// train loss after the first few steps.
+fn loss_range(reports: &[(String, TrainReport)]) -> (f64, f64) {
     let all: Vec<f64> = reports
         .iter()
         .flat_map(|(_, r)| {
@@ -57,26 +71,53 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
         })
         .filter(|x| x.is_finite())
         .fold(lo + 0.1, f64::max);
-    let title = match reports {
+    (lo, hi)
+}
+
+/// The loss panel's title: model, optimizer and data for one report; the families compared
+/// for several.
+fn loss_title(reports: &[(String, TrainReport)]) -> String {
+    match reports {
         [(_, r)] => format!(
             "{} · {} · {}",
             r.options.model.name,
             format!("{:?}", r.options.optimizer).to_lowercase(),
             short(&r.data)
         ),
-        _ => {
-            let mut fams: Vec<&str> = Vec::new();
-            for (l, _) in reports {
-                if !fams.contains(&family(l)) {
-                    fams.push(family(l));
-                }
-            }
-            format!("loss: {}", fams.join(" vs "))
-        }
-    };
+        _ => format!("loss: {}", families(reports).join(" vs ")),
+    }
+}
 
-    let mut chart = ChartBuilder::on(&top)
-        .caption(title, ("sans-serif", 22))
+/// The reports' families, in order of first appearance.
+fn families(reports: &[(String, TrainReport)]) -> Vec<&str> {
+    let mut fams: Vec<&str> = Vec::new();
+    for (l, _) in reports {
+        if !fams.contains(&family(l)) {
+            fams.push(family(l));
+        }
+    }
+    fams
+}
+
+/// A family's colour, and whether report `i` is its first (the one that gets the legend).
+fn family_colour(reports: &[(String, TrainReport)], fams: &[&str], i: usize) -> (RGBColor, bool) {
+    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let f = family(&reports[i].0);
+    let k = fams.iter().position(|x| *x == f).unwrap_or(0);
+    let first = reports.iter().position(|(l, _)| family(l) == f) == Some(i);
+    (palette[k % palette.len()], first)
+}
+
+/// The top panel: each report's train and eval loss, one colour per family, and the loss
+/// floor when it is known.
+fn draw_loss_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    reports: &[(String, TrainReport)],
+    steps: f64,
+) -> Result<()> {
+    let (lo, hi) = loss_range(reports);
+    let mut chart = ChartBuilder::on(area)
+        .caption(loss_title(reports), ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(30)
         .y_label_area_size(60)
@@ -87,23 +128,10 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
         .y_desc("loss (nats/token)")
         .draw()
         .map_err(err)?;
-    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
-    let mut fams: Vec<&str> = Vec::new();
-    for (l, _) in reports {
-        if !fams.contains(&family(l)) {
-            fams.push(family(l));
-        }
-    }
-    // A family's colour, and whether report `i` is its first (the one that gets the legend).
-    let colour = |i: usize| -> (RGBColor, bool) {
-        let f = family(&reports[i].0);
-        let k = fams.iter().position(|x| *x == f).unwrap_or(0);
-        let first = reports.iter().position(|(l, _)| family(l) == f) == Some(i);
-        (palette[k % palette.len()], first)
-    };
+    let fams = families(reports);
     let members = |f: &str| reports.iter().filter(|(l, _)| family(l) == f).count();
     for (i, (label, r)) in reports.iter().enumerate() {
-        let (c, first) = colour(i);
+        let (c, first) = family_colour(reports, &fams, i);
         let fam = family(label);
         let name = match members(fam) {
             1 => label.clone(),
@@ -151,7 +179,12 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
     }
     legend(&mut chart)?;
 
-    // Bytes each node sends per step, one colour per family as above.
+    Ok(())
+}
+
+/// The range of the bytes panel's log axis: a factor of two beyond the smallest and largest
+/// nonzero bytes sent.
+fn bytes_range(reports: &[(String, TrainReport)]) -> (f64, f64) {
     let sent: Vec<f64> = reports
         .iter()
         .flat_map(|(_, r)| r.steps.iter().map(|s| s.bytes_sent as f64))
@@ -165,7 +198,19 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
     } else {
         (bmin / 2.0, bmax * 2.0)
     };
-    let mut bytes = ChartBuilder::on(&bottom)
+    (bmin, bmax)
+}
+
+/// The bottom panel: bytes each node sends per step (log scale), one colour per family.
+fn draw_bytes_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    reports: &[(String, TrainReport)],
+    steps: f64,
+) -> Result<()> {
+    // Bytes each node sends per step, one colour per family as above.
+    let (bmin, bmax) = bytes_range(reports);
+    let fams = families(reports);
+    let mut bytes = ChartBuilder::on(area)
         .caption("bytes sent per node per step", ("sans-serif", 18))
         .margin(15)
         .x_label_area_size(40)
@@ -180,7 +225,7 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
         .draw()
         .map_err(err)?;
     for (i, (label, r)) in reports.iter().enumerate() {
-        let (c, first) = colour(i);
+        let (c, first) = family_colour(reports, &fams, i);
         let pts: Vec<(f64, f64)> = r
             .steps
             .iter()
@@ -197,7 +242,6 @@ pub(crate) fn loss_plot(reports: &[(String, TrainReport)], out: &Path) -> Result
         }
     }
     legend(&mut bytes)?;
-    root.present().map_err(err)?;
     Ok(())
 }
 
