@@ -351,29 +351,38 @@ struct Node {
     per_step: PerStep,
     steps: Option<u64>,
     done_at: Option<u64>,
-    ckpt_dir: Option<PathBuf>,
-    /// A downloaded checkpoint's version, loaded but not yet saved: it is written only once
-    /// the engine syncs on it.
-    unsaved_load: Option<u64>,
-    ckpt_every: u64,
+    ckpt: CheckpointIo,
     hostile: Option<Hostile>,
     /// Blobs a hostile node forged and serves itself (id → `Update` frame), newest last.
     forged: VecDeque<(ContentId, Vec<u8>)>,
     /// Signs forged frames of a hostile node (the engine holds its own copy of the identity).
     id: Identity,
-    /// Snapshots whose manifests the engine serves, oldest first (the bytes chunks are read
-    /// from).
-    snapshots: VecDeque<Arc<Snapshot>>,
-    params: i64,
-    snapshot_until: u64,
-    /// The engine's checkpoint requests in flight.
-    ckpt_requests: HashMap<request_response::OutboundRequestId, (NodeId, Request)>,
-    /// Peers' checkpoint requests the engine is answering, by the token it was given.
-    inbound: HashMap<u64, request_response::ResponseChannel<Vec<u8>>>,
-    next_token: u64,
     role: Role,
     addr_file: Option<PathBuf>,
     listen_addrs: Vec<String>,
+}
+
+/// Checkpoints as bytes: the snapshots this node serves, where and how often it saves, and
+/// the requests in flight both ways. Every decision about them (which to ask for, whom to
+/// believe, what to serve to whom) is the engine's (`engine::sync`).
+struct CheckpointIo {
+    /// `--checkpoint-dir`, and every how many steps a checkpoint is written there.
+    dir: Option<PathBuf>,
+    every: u64,
+    /// A downloaded checkpoint's version, loaded but not yet saved: it is written only once
+    /// the engine syncs on it.
+    unsaved_load: Option<u64>,
+    /// Snapshots whose manifests the engine serves, oldest first (the bytes chunks are read
+    /// from).
+    snapshots: VecDeque<Arc<Snapshot>>,
+    /// The model's parameter count (big models are snapshotted only on demand).
+    params: i64,
+    snapshot_until: u64,
+    /// The engine's checkpoint requests in flight.
+    requests: HashMap<request_response::OutboundRequestId, (NodeId, Request)>,
+    /// Peers' checkpoint requests the engine is answering, by the token it was given.
+    inbound: HashMap<u64, request_response::ResponseChannel<Vec<u8>>>,
+    next_token: u64,
 }
 
 /// The run's gossip topic, and the messages awaiting the engine's verdict (tag → gossipsub
@@ -585,12 +594,13 @@ impl Node {
             .behaviour_mut()
             .rr
             .send_request(&net::peer_id(&peer), req.clone());
-        self.ckpt_requests.insert(id, (peer, req));
+        self.ckpt.requests.insert(id, (peer, req));
     }
 
     /// Answer a checkpoint chunk request from a kept snapshot (empty when it is gone).
     fn serve_chunk(&mut self, token: u64, version: u64, index: u32, offset: u64, len: u64) {
         let frame = self
+            .ckpt
             .snapshots
             .iter()
             .find(|s| s.version == version)
@@ -603,8 +613,8 @@ impl Node {
     fn on_joiner(&mut self) {
         // Someone is joining: a large model keeps snapshots for a while so that its
         // retry finds one (a small one takes one after every step anyway).
-        if self.params > SNAPSHOT_EVERY_STEP_PARAMS {
-            self.snapshot_until = now_ms() + 20 * self.engine.run().timing.period_ms;
+        if self.ckpt.params > SNAPSHOT_EVERY_STEP_PARAMS {
+            self.ckpt.snapshot_until = now_ms() + 20 * self.engine.run().timing.period_ms;
             self.to_trainer(Cmd::Snapshot);
         }
     }
@@ -685,13 +695,13 @@ impl Node {
             Report::Rejected { from, error } => tracing::info!(%from, %error, "rejected"),
             Report::Synced { version, digest } => {
                 tracing::info!(version, digest = %&digest.to_hex()[..12], "synced");
-                if self.unsaved_load.take() == Some(version) {
+                if self.ckpt.unsaved_load.take() == Some(version) {
                     self.save_checkpoint();
                 }
             }
             Report::CheckpointUnattested { version, digest } => {
-                if self.unsaved_load == Some(version) {
-                    self.unsaved_load = None;
+                if self.ckpt.unsaved_load == Some(version) {
+                    self.ckpt.unsaved_load = None;
                 }
                 tracing::warn!(
                     version,
@@ -747,7 +757,7 @@ impl Node {
                 if synced {
                     self.save_checkpoint();
                 } else {
-                    self.unsaved_load = Some(version);
+                    self.ckpt.unsaved_load = Some(version);
                 }
             }
             other => tracing::info!("{other:?}"),
@@ -860,16 +870,16 @@ impl Node {
                         let Some(from) = net::node_id(&peer) else {
                             return;
                         };
-                        self.next_token += 1;
-                        let token = self.next_token;
-                        self.inbound.insert(token, channel);
+                        self.ckpt.next_token += 1;
+                        let token = self.ckpt.next_token;
+                        self.ckpt.inbound.insert(token, channel);
                         self.feed(Event::Requested {
                             peer: from,
                             token,
                             req: request,
                         });
                         // Unanswered (never, today): dropping the channel refuses.
-                        self.inbound.remove(&token);
+                        self.ckpt.inbound.remove(&token);
                         return;
                     }
                     let resp = match request {
@@ -901,7 +911,7 @@ impl Node {
                     request_id,
                     response,
                 } => {
-                    if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
+                    if let Some((from, req)) = self.ckpt.requests.remove(&request_id) {
                         self.feed(Event::Response {
                             peer: from,
                             req,
@@ -925,7 +935,7 @@ impl Node {
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
-                if let Some((from, req)) = self.ckpt_requests.remove(&request_id) {
+                if let Some((from, req)) = self.ckpt.requests.remove(&request_id) {
                     tracing::debug!(%from, %error, ?req, "checkpoint request failed");
                     self.feed(Event::RequestFailed { peer: from, req });
                     return;
@@ -989,12 +999,14 @@ impl Node {
                 // Queued before the engine hears of it (it may answer with the next Apply at
                 // once, while catching up); the trainer labels both with the version it holds.
                 let last = self.steps.is_some_and(|n| step + 1 == n);
-                if let Some(dir) = self.ckpt_dir.clone() {
-                    if (step + 1) % self.ckpt_every.max(1) == 0 || last {
+                if let Some(dir) = self.ckpt.dir.clone() {
+                    if (step + 1) % self.ckpt.every.max(1) == 0 || last {
                         self.to_trainer(Cmd::Save { dir });
                     }
                 }
-                if self.params <= SNAPSHOT_EVERY_STEP_PARAMS || now_ms() < self.snapshot_until {
+                if self.ckpt.params <= SNAPSHOT_EVERY_STEP_PARAMS
+                    || now_ms() < self.ckpt.snapshot_until
+                {
                     self.to_trainer(Cmd::Snapshot);
                 }
                 self.feed(Event::Applied {
@@ -1068,17 +1080,19 @@ impl Node {
 
     fn add_snapshot(&mut self, snap: Arc<Snapshot>) {
         if self
+            .ckpt
             .snapshots
             .back()
             .is_some_and(|s| s.version >= snap.version)
         {
             // A reload to an older version (a resync): what we served is no longer ours.
             if self
+                .ckpt
                 .snapshots
                 .back()
                 .is_some_and(|s| s.version > snap.version)
             {
-                self.snapshots.clear();
+                self.ckpt.snapshots.clear();
             } else {
                 return;
             }
@@ -1103,16 +1117,16 @@ impl Node {
             );
             return;
         }
-        self.snapshots.push_back(snap);
-        while self.snapshots.len() > KEEP_SNAPSHOTS {
-            self.snapshots.pop_front();
+        self.ckpt.snapshots.push_back(snap);
+        while self.ckpt.snapshots.len() > KEEP_SNAPSHOTS {
+            self.ckpt.snapshots.pop_front();
         }
         self.feed(Event::Snapshot { manifest });
     }
 
     /// Answer a peer's checkpoint request as the engine said (empty bytes: "not here").
     fn respond(&mut self, token: u64, bytes: Vec<u8>) {
-        if let Some(ch) = self.inbound.remove(&token) {
+        if let Some(ch) = self.ckpt.inbound.remove(&token) {
             let _ = self.swarm.behaviour_mut().rr.send_response(ch, bytes);
         }
     }
@@ -1124,7 +1138,7 @@ impl Node {
 
     /// Save the parameters into `--checkpoint-dir`, if one was given.
     fn save_checkpoint(&mut self) {
-        if let Some(dir) = self.ckpt_dir.clone() {
+        if let Some(dir) = self.ckpt.dir.clone() {
             self.to_trainer(Cmd::Save { dir });
         }
     }
@@ -1630,18 +1644,20 @@ impl Node {
             per_step: PerStep::default(),
             steps: cfg.steps,
             done_at: None,
-            ckpt_dir: cfg.checkpoint_dir.clone(),
-            unsaved_load: None,
-            ckpt_every: cfg.checkpoint_every,
+            ckpt: CheckpointIo {
+                dir: cfg.checkpoint_dir.clone(),
+                every: cfg.checkpoint_every,
+                unsaved_load: None,
+                snapshots: VecDeque::new(),
+                params: started.params,
+                snapshot_until: 0,
+                requests: HashMap::new(),
+                inbound: HashMap::new(),
+                next_token: 0,
+            },
             hostile: cfg.adversary.map(Hostile::new),
             forged: VecDeque::new(),
             id: Identity::from_seed(cfg.id.seed()),
-            snapshots: VecDeque::new(),
-            params: started.params,
-            snapshot_until: 0,
-            ckpt_requests: HashMap::new(),
-            inbound: HashMap::new(),
-            next_token: 0,
             role: cfg.role,
             addr_file: cfg.addr_file.clone(),
             listen_addrs: Vec::new(),
