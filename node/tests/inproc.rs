@@ -18,11 +18,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crypto::Identity;
 use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
+use node::cmd_net::now_ms;
 use node::status::StatusLine;
 use node::{NodeConfig, Transport};
 use protocol::run::RunConfig;
@@ -32,13 +33,6 @@ use tokio::sync::{mpsc, oneshot};
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TINY_LOCAL: &str = include_str!("../runs/tiny-local.toml");
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
 
 /// Memory-transport ports are process-wide: each swarm takes its own range.
 fn ports() -> u64 {
