@@ -170,13 +170,7 @@ impl<'a> Flow<'a> {
             .iter()
             .map(|&c| sc.classes[c].compute_ms * 1000)
             .collect();
-        let net = Network::new(
-            classes
-                .iter()
-                .map(|&c| sc.classes[c].link.clone())
-                .collect(),
-            sc.seed,
-        );
+        let net = sc.network();
         let timing = StepTiming {
             genesis_ms: 10_000,
             period_ms: sc.timing.period_ms,

@@ -520,6 +520,18 @@ impl Scenario {
             .collect()
     }
 
+    /// The simulated network: every node's link by its class, in node order, seeded by the
+    /// scenario.
+    pub fn network(&self) -> crate::net::Network {
+        crate::net::Network::new(
+            self.node_classes()
+                .iter()
+                .map(|&c| self.classes[c].link.clone())
+                .collect(),
+            self.seed,
+        )
+    }
+
     pub fn check(&self) -> Result<(), SimError> {
         let bad = |m: String| Err(SimError::Scenario(m));
         if self.nodes() == 0 {

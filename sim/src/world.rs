@@ -297,13 +297,7 @@ impl World {
             .map(|(n, s, _)| (n, s))
             .collect();
         let classes = sc.node_classes();
-        let net = Network::new(
-            classes
-                .iter()
-                .map(|&c| sc.classes[c].link.clone())
-                .collect(),
-            sc.seed,
-        );
+        let net = sc.network();
         let mut w = World {
             run,
             q: EventQueue::new((GENESIS_MS - 500) * 1000),
