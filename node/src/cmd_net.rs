@@ -8,8 +8,9 @@
 //! Checkpoints, both ways (the decisions are the engine's, `protocol::engine::sync`; this loop
 //! moves the bytes):
 //! * Serving: after every applied step the trainer hands over a [`Snapshot`] of the parameters
-//!   (they change only when a step is applied); the newest [`KEEP_SNAPSHOTS`] are kept here and
-//!   their manifests go to the engine (`Event::Snapshot`), which signs them. A peer's manifest
+//!   (they change only when a step is applied); its manifest goes to the engine
+//!   (`Event::Snapshot`), which signs it and decides which versions are served
+//!   (`protocol::engine::KEEP_SNAPSHOTS`); the bytes of exactly those are kept here. A peer's manifest
 //!   or chunk request goes to the engine (`Event::Requested`); its `Respond` is sent as is, its
 //!   `ServeChunk` is read from the snapshot of that version.
 //! * Joining: the engine's `Request`s (manifests, then chunks) go out over request-response and
@@ -38,7 +39,7 @@ use libp2p::swarm::{dial_opts::DialOpts, SwarmEvent};
 use libp2p::{identify, kad, request_response, Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::gauge::Gauge;
 use protocol::download;
-use protocol::engine::{Action, Blob, Engine, Event, Included, Report, Verdict, KEEP_SNAPSHOTS};
+use protocol::engine::{Action, Blob, Engine, Event, Included, Report, Verdict};
 use protocol::error::Offence;
 use protocol::run::RunConfig;
 use protocol::wire::caps;
@@ -1079,23 +1080,14 @@ impl Node {
     // checkpoints (see the module docs)
 
     fn add_snapshot(&mut self, snap: Arc<Snapshot>) {
+        // Hashing a snapshot into its manifest reads every byte: not twice for one version.
         if self
             .ckpt
             .snapshots
-            .back()
-            .is_some_and(|s| s.version >= snap.version)
+            .iter()
+            .any(|s| s.version == snap.version)
         {
-            // A reload to an older version (a resync): what we served is no longer ours.
-            if self
-                .ckpt
-                .snapshots
-                .back()
-                .is_some_and(|s| s.version > snap.version)
-            {
-                self.ckpt.snapshots.clear();
-            } else {
-                return;
-            }
+            return;
         }
         let snap = match &self.hostile {
             Some(h) if h.kind == Adversary::FalseCheckpoint => Arc::new(falsify(&snap)),
@@ -1117,11 +1109,14 @@ impl Node {
             );
             return;
         }
-        self.ckpt.snapshots.push_back(snap);
-        while self.ckpt.snapshots.len() > KEEP_SNAPSHOTS {
-            self.ckpt.snapshots.pop_front();
-        }
         self.feed(Event::Snapshot { manifest });
+        // Which versions are served (the newest few; a resync to an older one drops the
+        // rest) is the engine's call: keep the bytes of exactly those.
+        let served = self.engine.served_versions();
+        self.ckpt.snapshots.retain(|s| served.contains(&s.version));
+        if served.contains(&snap.version) {
+            self.ckpt.snapshots.push_back(snap);
+        }
     }
 
     /// Answer a peer's checkpoint request as the engine said (empty bytes: "not here").
