@@ -12,4 +12,6 @@ pub mod error;
 pub mod rng;
 pub mod run;
 pub mod sparse;
+#[cfg(feature = "testnet")]
+pub mod testnet;
 pub mod wire;

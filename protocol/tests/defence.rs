@@ -76,7 +76,7 @@ fn a_harmful_peer_is_spot_checked_outvoted_and_penalized() {
             penalized_for(&sim, i, &bad, |e| *e == Offence::HarmfulUpdate),
             "node {i} never penalized the harmful peer"
         );
-        assert!(sim.nodes[i].engine.reputation(&bad) < 0);
+        assert!(sim.engine(i).reputation(&bad) < 0);
         // Honest peers keep being included: no false exclusion.
         for &j in &honest {
             if j != i {
@@ -170,7 +170,7 @@ fn a_newcomer_is_on_probation_until_it_passes_a_check() {
     let j = sim.add_node(20, None);
     sim.run_until(GENESIS + 16 * PERIOD);
     let newcomer = sim.nodes[j].id;
-    let withheld: u64 = (0..4).map(|i| sim.nodes[i].engine.metrics().withheld).sum();
+    let withheld: u64 = (0..4).map(|i| sim.engine(i).metrics().withheld).sum();
     assert!(
         withheld > 0,
         "nobody held back the newcomer's first updates"
@@ -178,7 +178,7 @@ fn a_newcomer_is_on_probation_until_it_passes_a_check() {
     // It passes checks and is then included like everyone else.
     let late = included_from(&sim, 0, j, 13);
     assert!(!late.is_empty(), "the newcomer never earned inclusion");
-    assert!(sim.nodes[0].engine.reputation(&newcomer) > 0);
+    assert!(sim.engine(0).reputation(&newcomer) > 0);
 }
 
 /// A server of provably bad checkpoints is penalized and never asked for one again; not
@@ -199,13 +199,13 @@ fn a_false_checkpoint_server_is_found_out_and_never_asked_again() {
         a,
         Action::Request { peer, .. } if *peer == liar
     )));
-    assert!(sim.nodes[j].engine.is_checkpoint_liar(&liar));
-    assert!(!sim.nodes[j].engine.is_banned(&liar));
+    assert!(sim.engine(j).is_checkpoint_liar(&liar));
+    assert!(!sim.engine(j).is_banned(&liar));
     assert!(penalized_for(&sim, j, &liar, |e| matches!(
         e,
         Offence::BadCheckpoint(_)
     )));
-    assert!(sim.nodes[j].engine.status().synced);
+    assert!(sim.engine(j).status().synced);
     // Never asked again once found out.
     let asked_after = sim.nodes[j]
         .log
@@ -245,7 +245,7 @@ fn accusations_get_a_harmful_peer_out_sooner() {
         assert_agree(&sim, &honest, 14);
         let repeated: u64 = honest
             .iter()
-            .map(|&i| sim.nodes[i].engine.metrics().repeated_checks)
+            .map(|&i| sim.engine(i).metrics().repeated_checks)
             .sum();
         (last_included(&sim, &honest, 11), repeated)
     };

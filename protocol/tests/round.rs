@@ -59,7 +59,7 @@ fn four_nodes_fetch_validate_and_apply_identically() {
         );
     }
     for i in 0..4 {
-        let m = sim.nodes[i].engine.metrics();
+        let m = sim.engine(i).metrics();
         assert!(
             m.fetches >= 3 * 6,
             "blobs are fetched when not inline: {m:?}"
@@ -74,7 +74,7 @@ fn inline_blobs_need_no_fetch() {
     let mut sim = Sim::new(test_run(true), 3);
     sim.run_until(GENESIS + 6 * PERIOD);
     assert_agree(&sim, &[0, 1, 2], 4);
-    assert_eq!(sim.nodes[0].engine.metrics().fetches, 0);
+    assert_eq!(sim.engine(0).metrics().fetches, 0);
     assert!(sim.history(0).values().all(|(ids, _)| ids.len() == 3));
 }
 
@@ -245,7 +245,7 @@ fn late_arrival_is_counted_not_applied() {
         announce(&run, &m, 2, &blob),
     );
     sim.run_until(GENESIS + 6 * PERIOD);
-    assert!(sim.nodes[0].engine.metrics().late >= 1);
+    assert!(sim.engine(0).metrics().late >= 1);
     assert!(sim.actions(0).any(|a| matches!(
         a,
         Action::Report(Report::Ignored {
@@ -330,7 +330,7 @@ fn missed_announcements_are_repaired_from_summaries() {
 fn a_vanished_peer_does_not_stall_the_round() {
     let mut sim = Sim::new(test_run(false), 4);
     sim.run_until(GENESIS + 3 * PERIOD + 200);
-    sim.nodes[3].alive = false;
+    sim.net.peers[3].alive = false;
     sim.run_until(GENESIS + 9 * PERIOD);
     assert_agree(&sim, &[0, 1, 2], 7);
     let h = sim.history(0);
@@ -356,7 +356,7 @@ fn a_joiner_takes_a_checkpoint_and_catches_up() {
     sim.run_until(GENESIS + 3 * PERIOD + 300);
     let j = sim.add_node(9, None);
     sim.run_until(GENESIS + 11 * PERIOD);
-    assert!(sim.nodes[j].engine.status().synced);
+    assert!(sim.engine(j).status().synced);
     assert!(sim
         .actions(j)
         .any(|a| matches!(a, Action::Report(Report::CheckpointRequested { .. }))));
@@ -417,7 +417,7 @@ fn early_arrivals_are_buffered_within_their_bound() {
         })
         .count();
     assert_eq!(full, 2);
-    assert_eq!(sim.nodes[0].engine.metrics().early, 3);
+    assert_eq!(sim.engine(0).metrics().early, 3);
     // The three buffered ones were applied in step 2, at both nodes (node 1 fetched them).
     let h = sim.history(1);
     assert_eq!(h[&2].0.iter().filter(|id| ids.contains(id)).count(), 3);
@@ -429,13 +429,13 @@ fn relay_sim() -> Sim {
     use protocol::wire::caps;
     let mut sim = Sim::new(test_run(false), 4);
     sim.nodes[3].trains = false;
-    sim.nodes[3].engine.set_listen(
+    sim.engine_mut(3).set_listen(
         Vec::new(),
         caps::SERVE_BLOBS | caps::SERVE_CHECKPOINTS | caps::RELAY,
     );
     let relay = sim.nodes[3].id;
     for i in 0..3 {
-        sim.nodes[i].engine.set_trusted_relays([relay]);
+        sim.engine_mut(i).set_trusted_relays([relay]);
     }
     sim
 }
@@ -450,7 +450,7 @@ fn with_a_relay_each_trainer_uploads_once_and_fetches_from_the_relay() {
     }
     let relay = sim.nodes[3].id;
     for i in 0..3 {
-        let m = sim.nodes[i].engine.metrics();
+        let m = sim.engine(i).metrics();
         assert!(m.uploads >= 6, "node {i} uploads to the relay: {m:?}");
         // Its own update never goes out as gossip: only summaries do.
         let own_announces = sim
@@ -474,7 +474,7 @@ fn with_a_relay_each_trainer_uploads_once_and_fetches_from_the_relay() {
         );
         assert_eq!(m.rejected, 0, "{m:?}");
     }
-    let r = sim.nodes[3].engine.metrics();
+    let r = sim.engine(3).metrics();
     assert!(r.relayed >= 18, "the relay gossips what it verified: {r:?}");
 }
 
@@ -482,14 +482,14 @@ fn with_a_relay_each_trainer_uploads_once_and_fetches_from_the_relay() {
 fn a_relay_nobody_chose_is_not_used() {
     let mut sim = relay_sim();
     for i in 0..3 {
-        sim.nodes[i].engine.set_trusted_relays([]);
+        sim.engine_mut(i).set_trusted_relays([]);
     }
     sim.run_until(GENESIS + 8 * PERIOD);
     assert_agree(&sim, &[0, 1, 2, 3], 6);
     for i in 0..3 {
-        assert_eq!(sim.nodes[i].engine.metrics().uploads, 0);
+        assert_eq!(sim.engine(i).metrics().uploads, 0);
     }
-    assert_eq!(sim.nodes[3].engine.metrics().relayed, 0);
+    assert_eq!(sim.engine(3).metrics().relayed, 0);
 }
 
 #[test]
@@ -508,7 +508,7 @@ fn a_withholding_relay_delays_updates_but_loses_none() {
             "step {step}: summaries list each update and peers fetch it from its sender"
         );
     }
-    assert_eq!(sim.nodes[3].engine.metrics().relayed, 0);
+    assert_eq!(sim.engine(3).metrics().relayed, 0);
 }
 
 /// A Hello (and so an attestation) claiming parameters version u64::MAX used to overflow
@@ -558,7 +558,7 @@ fn a_loaded_checkpoint_of_version_u64_max_is_dropped_and_the_joiner_recovers() {
             ..
         })
     )));
-    assert!(sim.nodes[j].engine.status().synced);
+    assert!(sim.engine(j).status().synced);
     assert!(sim.history(j).len() >= 4);
     assert_agree(&sim, &[0, 1, 2, 3, j], 9);
 }

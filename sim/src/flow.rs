@@ -25,7 +25,7 @@ use protocol::sparse::{encoded_size, Layout, SparseUpdate};
 
 use crate::metrics::{finish, quantile, Metrics, StepMetrics};
 use crate::net::{Network, Partition};
-use crate::queue::{EventQueue, Micros};
+use protocol::testnet::{EventQueue, Micros};
 use crate::rng::{derive, mix};
 use crate::scenario::{Fault, Policy, Scenario};
 use crate::synth::{AdamBaseline, Synthetic};

@@ -1,7 +1,6 @@
 //! The simulator: many real protocol engines (or, at scale, a flow model of them) and
 //! trainers over a seeded discrete-event network, in one deterministic process.
 //!
-//! * `queue`: virtual time (µs), an event queue keyed by (time, sequence).
 //! * `net`: per-node upload/download serialization, latency + jitter, loss, partitions.
 //! * `world`: engine mode — a real `protocol::engine::Engine` per node, the gossip model.
 //! * `flow`: flow mode — thousands of nodes, the engine's inclusion rule without its crypto.
@@ -20,7 +19,6 @@ pub mod adversary;
 pub mod flow;
 pub mod metrics;
 pub mod net;
-pub mod queue;
 pub mod rng;
 pub mod scenario;
 pub mod synth;

@@ -16,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::queue::Micros;
+use protocol::testnet::Micros;
 use crate::rng::Rng;
 
 /// One node's access link.

@@ -1,17 +1,18 @@
-//! An in-memory network of engines for tests: a deterministic event queue, flood gossip,
-//! request-response fetches and checkpoint requests served by the target's engine, and a fake
+//! Engines for tests on `protocol::testnet` (the in-memory network the simulator uses too):
+//! a full mesh with a fixed latency, and a fake
 //! trainer whose parameters are one 32-byte tensor, a hash chain over the exact sets it applied
 //! (same sets in, same digest out); its digest is that tensor's parameter digest, so served
 //! checkpoints verify like real ones.
 // Shared by several test crates, each using part of it: `pub` is how they reach it.
 #![allow(dead_code, unreachable_pub)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
 use protocol::engine::{Action, Engine, Event};
 use protocol::run::{DataSpec, RunConfig, StepTiming};
+use protocol::testnet::{Fixed, Host, Micros, Net};
 use protocol::sparse::{SparseUpdate, TensorUpdate};
 
 pub const GENESIS: u64 = 1_000_000;
@@ -130,12 +131,11 @@ pub fn next_digest(prev: &Digest, step: u64, ids: &[ContentId]) -> Digest {
 }
 
 pub struct SimNode {
-    pub engine: Engine,
     pub id: NodeId,
-    pub alive: bool,
     pub trains: bool,
     /// (step, included blob ids, digest after)
     pub applied: Vec<(u64, Vec<ContentId>, Digest)>,
+    /// Every action its engine asked for, with the time (ms).
     pub log: Vec<(u64, Action)>,
     version: u64,
     /// The fake parameters (see [`next_digest`]) and their digest.
@@ -143,61 +143,77 @@ pub struct SimNode {
     digest: Digest,
     /// Snapshots taken for serving checkpoints: version → parameters.
     snaps: BTreeMap<u64, Digest>,
-    /// The last instant a Timer was queued for (from `Engine::poll_timeout`).
-    timer: Option<u64>,
 }
 
 pub type DropFn = Box<dyn FnMut(u64, usize, usize, &Event) -> bool>;
 
+/// Engines on `protocol::testnet` (flood gossip over a full mesh, fixed latency, no relaying
+/// unless `net.relay` is turned on), around the fake world below.
 pub struct Sim {
+    pub net: Net<(), Fixed>,
+    pub world: World,
+}
+
+/// What is outside the engines: the fake trainers, peers outside the network, drop rules.
+pub struct World {
     pub run: RunConfig,
     pub nodes: Vec<SimNode>,
-    queue: BTreeMap<(u64, u64), (usize, Event)>,
-    seq: u64,
+    /// The time (ms) the last `run_until` ran to.
     pub now: u64,
     pub latency: u64,
     pub train_ms: u64,
     /// Return true to drop the event (time, from, to, event) before delivery.
     pub drop: DropFn,
     /// Nodes whose updates a spot check finds harmful (the others' help).
-    pub harmful: std::collections::BTreeSet<usize>,
+    pub harmful: BTreeSet<usize>,
     /// node → victim: the node publishes the victim's update with one entry changed.
     pub copies: BTreeMap<usize, usize>,
-    /// Whether a node that accepts an injected message forwards it to every other node, as
-    /// gossipsub does after an `Accept` verdict (engines' own publishes always flood).
-    pub forward_injected: bool,
-    /// Tags of injected (or forwarded) messages → their bytes, for `forward_injected`.
-    injected: BTreeMap<u64, Vec<u8>>,
     /// Update frames that peers outside the simulation (attackers) serve, by blob id.
     pub served: BTreeMap<ContentId, Vec<u8>>,
     /// Peers outside the simulation that never answer a fetch (no response, no failure).
-    pub silent: std::collections::BTreeSet<NodeId>,
+    pub silent: BTreeSet<NodeId>,
     /// Nodes that corrupt every checkpoint answer they serve (one byte flipped).
-    pub liars: std::collections::BTreeSet<usize>,
-    /// Inbound checkpoint requests being served: token → (server, client, request).
-    requests: BTreeMap<u64, (usize, usize, protocol::download::Request)>,
+    pub liars: BTreeSet<usize>,
+    /// Gossip tags of frames from peers outside the simulation.
+    pub outside_tags: BTreeSet<u64>,
+}
+
+impl std::ops::Deref for Sim {
+    type Target = World;
+    fn deref(&self) -> &World {
+        &self.world
+    }
+}
+
+impl std::ops::DerefMut for Sim {
+    fn deref_mut(&mut self) -> &mut World {
+        &mut self.world
+    }
 }
 
 impl Sim {
     pub fn new(run: RunConfig, n: usize) -> Sim {
+        let latency = 10;
+        // A request to a dead or unknown peer fails about a round trip later.
+        let net = Net::new((GENESIS - 500) * 1000, Fixed(latency * 1000), 2 * latency * 1000, 64);
         let mut s = Sim {
-            run,
-            nodes: Vec::new(),
-            queue: BTreeMap::new(),
-            seq: 0,
-            now: GENESIS - 500,
-            latency: 10,
-            train_ms: 300,
-            drop: Box::new(|_, _, _, _| false),
-            harmful: Default::default(),
-            copies: BTreeMap::new(),
-            forward_injected: false,
-            injected: BTreeMap::new(),
-            served: BTreeMap::new(),
-            silent: Default::default(),
-            liars: Default::default(),
-            requests: BTreeMap::new(),
+            net,
+            world: World {
+                run,
+                nodes: Vec::new(),
+                now: GENESIS - 500,
+                latency,
+                train_ms: 300,
+                drop: Box::new(|_, _, _, _| false),
+                harmful: Default::default(),
+                copies: BTreeMap::new(),
+                served: BTreeMap::new(),
+                silent: Default::default(),
+                liars: Default::default(),
+                outside_tags: Default::default(),
+            },
         };
+        s.net.relay = false;
         for i in 0..n {
             s.add_node(i as u8, Some(genesis_digest()));
         }
@@ -205,7 +221,18 @@ impl Sim {
     }
 
     pub fn index(&self, id: &NodeId) -> Option<usize> {
-        self.nodes.iter().position(|n| n.id == *id)
+        self.net.index.get(id).copied()
+    }
+
+    pub fn engine(&self, i: usize) -> &Engine {
+        self.net.engine(i)
+    }
+
+    pub fn engine_mut(&mut self, i: usize) -> &mut Engine {
+        self.net.peers[i]
+            .engine
+            .as_mut()
+            .expect("a live node has an engine")
     }
 
     /// Add a node (a joiner when `genesis` is None or it is too late for version 0) and
@@ -217,15 +244,13 @@ impl Sim {
             self.run.clone(),
             id,
             genesis.as_ref().map(params_digest),
-            self.now,
+            self.net.now() / 1000,
             42 + i as u64,
         );
         engine.set_checkpoint_layout(vec![(PARAMS.0.to_string(), PARAMS.1.to_vec())]);
-        let me = self.nodes.len();
-        self.nodes.push(SimNode {
-            engine,
+        let me = self.net.peers.len();
+        self.world.nodes.push(SimNode {
             id: node_id,
-            alive: true,
             trains: true,
             applied: Vec::new(),
             log: Vec::new(),
@@ -233,173 +258,50 @@ impl Sim {
             chain: genesis.unwrap_or_default(),
             digest: genesis.as_ref().map(params_digest).unwrap_or_default(),
             snaps: BTreeMap::new(),
-            timer: None,
         });
-        let t = self.now;
+        self.net.place(me, engine);
         for j in 0..me {
-            let pj = self.nodes[j].id;
-            self.push(t, me, Event::PeerConnected { peer: pj });
-            self.push(t, j, Event::PeerConnected { peer: node_id });
+            self.net.link(me, j);
         }
-        self.push(t, me, Event::Timer);
+        self.net.connect(me);
+        let now = self.net.now();
+        self.net.push_event(now, me, Event::Timer);
         me
     }
 
+    /// Deliver `ev` to node `to`'s engine at `at` (ms).
     pub fn push(&mut self, at: u64, to: usize, ev: Event) {
-        self.seq += 1;
-        self.queue.insert((at, self.seq), (to, ev));
+        self.net.push_event(at * 1000, to, ev);
     }
 
-    /// Deliver raw bytes to node `to` as gossip from `from`.
+    /// Deliver raw bytes to node `to` as gossip from `from`, at `at` (ms).
     pub fn inject(&mut self, at: u64, to: usize, from: NodeId, bytes: Vec<u8>) {
-        let tag = self.seq + 1_000_000;
-        self.injected.insert(tag, bytes.clone());
-        self.push(
-            at,
-            to,
-            Event::Message {
-                from,
-                tag: Some(tag),
-                bytes,
-            },
-        );
+        self.net.inject(at * 1000, to, from, bytes);
     }
 
     pub fn run_until(&mut self, end: u64) {
-        while let Some((&(at, seq), _)) = self.queue.iter().next() {
-            if at > end {
-                break;
-            }
-            let (to, ev) = self
-                .queue
-                .remove(&(at, seq))
-                .expect("the key was just found");
-            self.now = at;
-            if !self.nodes[to].alive {
-                continue;
-            }
-            let actions = self.nodes[to].engine.handle(ev, at);
-            for a in actions {
-                self.nodes[to].log.push((at, a.clone()));
-                self.act(to, a);
-            }
-            // One Timer per new instant: stale ones fire harmlessly.
-            let armed = self.nodes[to].timer;
-            if let Some(t) = self.nodes[to]
-                .engine
-                .poll_timeout()
-                .filter(|&t| armed != Some(t))
-            {
-                self.nodes[to].timer = Some(t);
-                self.push(t, to, Event::Timer);
-            }
-        }
-        self.now = end;
+        while self.net.next(end * 1000, &mut self.world).is_some() {}
+        self.net.q.advance(end * 1000);
+        self.world.now = end;
     }
 
-    fn deliver(&mut self, from: usize, to: usize, at: u64, ev: Event) {
-        if !(self.drop)(at, from, to, &ev) {
-            self.push(at, to, ev);
-        }
+    pub fn actions(&self, i: usize) -> impl Iterator<Item = &Action> {
+        self.nodes[i].log.iter().map(|(_, a)| a)
     }
 
-    fn act(&mut self, me: usize, a: Action) {
-        let now = self.now;
-        let lat = self.latency;
-        let my_id = self.nodes[me].id;
+    /// (step → (ids, digest)) for node i.
+    pub fn history(&self, i: usize) -> BTreeMap<u64, (Vec<ContentId>, Digest)> {
+        self.nodes[i]
+            .applied
+            .iter()
+            .map(|(s, ids, d)| (*s, (ids.clone(), *d)))
+            .collect()
+    }
+}
+
+impl Host<(), Fixed> for World {
+    fn act(&mut self, net: &mut Net<(), Fixed>, me: usize, a: Action, now: Micros) {
         match a {
-            Action::Publish { bytes } => {
-                for j in 0..self.nodes.len() {
-                    if j != me {
-                        let tag = self.seq;
-                        self.deliver(
-                            me,
-                            j,
-                            now + lat,
-                            Event::Message {
-                                from: my_id,
-                                tag: Some(tag),
-                                bytes: bytes.clone(),
-                            },
-                        );
-                    }
-                }
-            }
-            Action::Send { peer, bytes } => {
-                if let Some(j) = self.index(&peer) {
-                    self.deliver(
-                        me,
-                        j,
-                        now + lat,
-                        Event::Message {
-                            from: my_id,
-                            tag: None,
-                            bytes,
-                        },
-                    );
-                }
-            }
-            Action::Verdict {
-                tag,
-                verdict: protocol::engine::Verdict::Accept,
-            } if self.forward_injected && self.injected.contains_key(&tag) => {
-                let bytes = self.injected[&tag].clone();
-                for j in 0..self.nodes.len() {
-                    if j != me {
-                        self.inject(now + lat, j, my_id, bytes.clone());
-                    }
-                }
-            }
-            Action::Fetch { peer, .. } if self.silent.contains(&peer) => {}
-            Action::Fetch { peer, blob } => {
-                let resp = match self.index(&peer) {
-                    Some(j) if self.nodes[j].alive => self.nodes[j].engine.serve_update(&blob),
-                    Some(_) => None,
-                    None => self.served.get(&blob).cloned(),
-                };
-                let ev = match resp {
-                    Some(bytes) => Event::Fetched {
-                        from: peer,
-                        blob,
-                        bytes,
-                    },
-                    None => Event::FetchFailed { from: peer, blob },
-                };
-                let from = self.index(&peer).unwrap_or(me);
-                self.deliver(from, me, now + 2 * lat, ev);
-            }
-            Action::Request { peer, req } => match self.index(&peer) {
-                Some(j) if self.nodes[j].alive => {
-                    if let protocol::download::Request::Manifest { .. } = req {
-                        // The server snapshots what it holds (a real node: after each step).
-                        let (v, chain) = (self.nodes[j].version, self.nodes[j].chain);
-                        self.nodes[j].snaps.insert(v, chain);
-                        let manifest = protocol::download::manifest_of(
-                            self.run.run_id(),
-                            &self.run.limits,
-                            peer,
-                            v,
-                            &[(PARAMS.0.to_string(), PARAMS.1.to_vec(), chain.0.to_vec())],
-                        );
-                        self.deliver(me, j, now + lat, Event::Snapshot { manifest });
-                    }
-                    self.seq += 1;
-                    let token = self.seq;
-                    self.requests.insert(token, (j, me, req.clone()));
-                    self.deliver(
-                        me,
-                        j,
-                        now + lat,
-                        Event::Requested {
-                            peer: my_id,
-                            token,
-                            req,
-                        },
-                    );
-                }
-                _ => self.push(now + 100, me, Event::RequestFailed { peer, req }),
-            },
-            Action::Respond { token, bytes } => self.respond(me, token, bytes),
             Action::ServeChunk {
                 token,
                 version,
@@ -413,7 +315,7 @@ impl Sim {
                 });
                 let frame = data
                     .map(|d| protocol::download::chunk_frame(self.run.run_id(), version, index, d));
-                self.respond(me, token, frame.unwrap_or_default());
+                net.respond(me, token, frame.unwrap_or_default(), now, self);
             }
             Action::LoadCheckpoint {
                 version, tensors, ..
@@ -434,7 +336,7 @@ impl Sim {
                     }
                     None => Event::CheckpointFailed,
                 };
-                self.push(now + 50, me, ev);
+                net.push_event(now + 50_000, me, ev);
             }
             Action::StartStep { step, .. } if self.nodes[me].trains => {
                 let src = self.copies.get(&me).copied().unwrap_or(me);
@@ -453,15 +355,12 @@ impl Sim {
                 let blob = u.encode();
                 // A copier must first see what it copies.
                 let delay = if src != me { 100 } else { 0 };
-                self.push(
-                    now + self.train_ms + delay,
-                    me,
-                    Event::LocalUpdate {
-                        step,
-                        blob,
-                        tokens: 32,
-                    },
-                );
+                let ev = Event::LocalUpdate {
+                    step,
+                    blob,
+                    tokens: 32,
+                };
+                net.push_event(now + (self.train_ms + delay) * 1000, me, ev);
             }
             Action::Apply { step, updates } => {
                 let n = &mut self.nodes[me];
@@ -474,57 +373,92 @@ impl Sim {
                 n.digest = params_digest(&n.chain);
                 n.version = step + 1;
                 n.applied.push((step, ids, n.digest));
-                let d = n.digest;
-                self.push(now + 5, me, Event::Applied { step, digest: d });
+                let digest = n.digest;
+                net.push_event(now + 5_000, me, Event::Applied { step, digest });
             }
             Action::SpotCheck {
                 step, sender, blob, ..
             } => {
-                let bad = self
-                    .index(&sender)
-                    .is_some_and(|j| self.harmful.contains(&j));
+                let bad = net
+                    .index
+                    .get(&sender)
+                    .is_some_and(|j| self.harmful.contains(j));
                 let gain = if bad { -0.5 } else { 0.5 };
-                self.push(
-                    now + 20,
-                    me,
-                    Event::SpotChecked {
-                        step,
-                        sender,
-                        blob,
-                        gain,
-                    },
-                );
+                let ev = Event::SpotChecked {
+                    step,
+                    sender,
+                    blob,
+                    gain,
+                };
+                net.push_event(now + 20_000, me, ev);
             }
             _ => {}
         }
     }
 
-    /// Server `me` answers checkpoint request `token` (a liar with one byte flipped).
-    fn respond(&mut self, me: usize, token: u64, mut bytes: Vec<u8>) {
-        let Some((_, client, req)) = self.requests.remove(&token) else {
-            return;
-        };
-        if self.liars.contains(&me) {
+    fn event(&mut self, _node: usize, ev: &Event, _now: Micros) {
+        if let Event::Message {
+            from,
+            tag: Some(tag),
+            ..
+        } = ev
+        {
+            if !self.nodes.iter().any(|n| n.id == *from) {
+                self.outside_tags.insert(*tag);
+            }
+        }
+    }
+
+    fn sees(&mut self, _net: &Net<(), Fixed>, node: usize, a: &Action, now: Micros) {
+        self.nodes[node].log.push((now / 1000, a.clone()));
+    }
+
+    fn drops(&mut self, at: Micros, from: usize, to: usize, ev: &Event) -> bool {
+        (self.drop)(at / 1000, from, to, ev)
+    }
+
+    fn fetch_outside(
+        &mut self,
+        _net: &Net<(), Fixed>,
+        peer: NodeId,
+        blob: &ContentId,
+        now: Micros,
+    ) -> Option<(Micros, Option<Vec<u8>>)> {
+        if self.silent.contains(&peer) {
+            return None;
+        }
+        Some((now + 2 * self.latency * 1000, self.served.get(blob).cloned()))
+    }
+
+    /// The server snapshots what it holds (a real node: after each step).
+    fn snapshot(&mut self, net: &mut Net<(), Fixed>, server: usize, now: Micros) {
+        let n = &mut self.nodes[server];
+        let (v, chain) = (n.version, n.chain);
+        n.snaps.insert(v, chain);
+        let manifest = protocol::download::manifest_of(
+            self.run.run_id(),
+            &self.run.limits,
+            n.id,
+            v,
+            &[(PARAMS.0.to_string(), PARAMS.1.to_vec(), chain.0.to_vec())],
+        );
+        net.deliver(server, Event::Snapshot { manifest }, now, self);
+    }
+
+    /// A liar flips the last byte of every answer.
+    fn respond(
+        &mut self,
+        _net: &Net<(), Fixed>,
+        server: usize,
+        _req: &protocol::download::Request,
+        bytes: &mut Vec<u8>,
+    ) -> u64 {
+        if self.liars.contains(&server) {
             if let Some(b) = bytes.last_mut() {
                 *b ^= 0x55;
             }
         }
-        let peer = self.nodes[me].id;
-        let at = self.now + self.latency;
-        self.deliver(me, client, at, Event::Response { peer, req, bytes });
-    }
-
-    pub fn actions(&self, i: usize) -> impl Iterator<Item = &Action> {
-        self.nodes[i].log.iter().map(|(_, a)| a)
-    }
-
-    /// (step → (ids, digest)) for node i.
-    pub fn history(&self, i: usize) -> BTreeMap<u64, (Vec<ContentId>, Digest)> {
-        self.nodes[i]
-            .applied
-            .iter()
-            .map(|(s, ids, d)| (*s, (ids.clone(), *d)))
-            .collect()
+        bytes.len() as u64
     }
 }
 
