@@ -25,10 +25,10 @@ use protocol::sparse::{encoded_size, Layout, SparseUpdate};
 
 use crate::metrics::{finish, quantile, Metrics, StepMetrics};
 use crate::net::{Network, Partition};
-use protocol::testnet::{EventQueue, Micros};
 use crate::rng::{derive, mix};
 use crate::scenario::{Fault, Policy, Scenario};
 use crate::synth::{AdamBaseline, Synthetic};
+use protocol::testnet::{EventQueue, Micros};
 
 const NONE: Micros = Micros::MAX;
 

@@ -2,7 +2,8 @@
 //! trainers over a seeded discrete-event network, in one deterministic process.
 //!
 //! * `net`: per-node upload/download serialization, latency + jitter, loss, partitions.
-//! * `world`: engine mode — a real `protocol::engine::Engine` per node, the gossip model.
+//! * `world`: engine mode — a real `protocol::engine::Engine` per node on the engines' network
+//!   (`protocol::testnet`, shared with the protocol's tests) over `net`; trainers, attackers, faults.
 //! * `flow`: flow mode — thousands of nodes, the engine's inclusion rule without its crypto.
 //! * `synth`: the `SimTrainer` trait, the synthetic trainer (known optimum, real update layout
 //!   and sparsity) and its AdamW all-reduce baseline.

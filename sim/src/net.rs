@@ -16,8 +16,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use protocol::testnet::Micros;
 use crate::rng::Rng;
+use protocol::testnet::{Links, Micros};
 
 /// One node's access link.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -194,6 +194,13 @@ impl Network {
             std::mem::replace(&mut self.up_bytes, vec![0; n]),
             std::mem::replace(&mut self.down_bytes, vec![0; n]),
         )
+    }
+}
+
+/// The engines' network (`protocol::testnet`) sends over these links.
+impl Links for Network {
+    fn send(&mut self, from: usize, to: usize, bytes: u64, now: Micros) -> Option<Micros> {
+        Network::send(self, from, to, bytes, now).ok()
     }
 }
 

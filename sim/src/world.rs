@@ -1,17 +1,18 @@
-//! Engine mode: one real `protocol::engine::Engine` per node, over the network model, with a
-//! modelled gossip layer.
+//! Engine mode: one real `protocol::engine::Engine` per node, on the engines' network
+//! (`protocol::testnet`, which the protocol's tests use too) over the network model.
 //!
-//! Gossip (stands for gossipsub with `validate_messages()` and content-addressed message ids):
-//! every node keeps a fixed mesh of about `mesh_degree` peers. A published frame goes to every
-//! mesh peer. A receiver drops a frame whose content id (blake3) it has seen (duplicate
-//! suppression; the bytes were still transferred, as without IDONTWANT), hands a new one to its
-//! engine with a tag, and forwards it to its other mesh peers only once the engine's verdict for
-//! that tag is `Accept`; for header-only announces the engine gives that verdict after the blob
-//! was fetched and verified, so relays forward only what they can serve. Blobs are always
-//! fetched by id (`inline_blob_bytes = 0`, as for every real-size update, which exceeds the
-//! 48 KiB inline limit): a request to the chosen holder, answered from its engine's
-//! `serve_update`; a lost request or response, a dead or partitioned peer is reported as
-//! `FetchFailed` after `fetch_timeout_ms`, and a holder without the blob answers at once.
+//! The network carries what engines send (stands for gossipsub with `validate_messages()` and
+//! content-addressed message ids, and request-response): every node keeps a fixed mesh of
+//! about `mesh_degree` peers. A published frame goes to every mesh peer. A receiver drops a
+//! frame whose content id (blake3) it has seen (duplicate suppression; the bytes were still
+//! transferred, as without IDONTWANT), hands a new one to its engine with a tag, and forwards
+//! it to its other mesh peers only once the engine's verdict for that tag is `Accept`; for
+//! header-only announces the engine gives that verdict after the blob was fetched and
+//! verified, so relays forward only what they can serve. Blobs are always fetched by id
+//! (`inline_blob_bytes = 0`, as for every real-size update, which exceeds the 48 KiB inline
+//! limit): a request to the chosen holder, answered from its engine's `serve_update`; a lost
+//! request or response, a dead or partitioned peer is reported as `FetchFailed` after
+//! `fetch_timeout_ms`, and a holder without the blob answers at once.
 //!
 //! Checkpoints travel as the engines ask (`Action::Request`: manifests, then chunks), with the
 //! same latency, serialization and failures: a server is sent `Event::Requested`, takes a
@@ -19,13 +20,16 @@
 //! takes one after every step), and its engine's `Respond`/`ServeChunk` is read from that
 //! snapshot (the trainer's `checkpoint_tensors`). `[[checkpoint_liar]]` nodes lie while
 //! serving (a flipped chunk byte, or a manifest of other parameters).
+//!
+//! This module is that network's [`Host`]: the trainers, the attackers (what they send and
+//! serve), faults, and the metrics.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::download::{self, Request};
-use protocol::engine::{Action, Engine, Event, Report, Verdict};
+use protocol::engine::{Action, Engine, Event, Report};
 use protocol::error::Offence;
 use protocol::run::{DataSpec, RunConfig, StepTiming};
 use protocol::sparse::{encoded_size, SparseUpdate};
@@ -34,11 +38,11 @@ use protocol::wire::UpdateHeader;
 use crate::adversary::{self, Attack, Bad, Body};
 use crate::metrics::{finish, quantile, AttackStats, Metrics, StepMetrics};
 use crate::net::{LinkProfile, Network, Partition};
-use crate::queue::{EventQueue, Micros};
 use crate::rng::{derive, Rng};
 use crate::scenario::{Fault, Lie, Scenario, TrainerKind};
 use crate::synth::{Local, SimTrainer, Synthetic};
 use crate::SimError;
+use protocol::testnet::{Host, Micros, Net, Wire};
 
 const GENESIS_MS: u64 = 10_000;
 /// How long attackers that use the step's honest updates (ALIE, IPM, copier) wait for them
@@ -47,28 +51,8 @@ const WATCH_MS: u64 = 200;
 /// Virtual time a spot check takes (two forward passes on one batch).
 const SPOT_MS: u64 = 5;
 
+/// The world's own events (the network's travel beside them in its queue).
 enum Ev {
-    Engine {
-        node: usize,
-        ev: Event,
-    },
-    Gossip {
-        node: usize,
-        from: usize,
-        id: ContentId,
-        bytes: Arc<Vec<u8>>,
-    },
-    FetchReq {
-        server: usize,
-        client: usize,
-        blob: ContentId,
-    },
-    /// A checkpoint request (manifest or chunk) reaches its server.
-    CkptReq {
-        server: usize,
-        client: usize,
-        req: Request,
-    },
     Fault(usize),
     Recover(usize),
     StepMark(u64),
@@ -106,10 +90,8 @@ enum Outgoing {
     },
 }
 
+/// One node beside its engine (which is the network's: `Net::peers`).
 struct Node {
-    engine: Option<Engine>,
-    id: NodeId,
-    alive: bool,
     role: Conduct,
     compute_ms: u64,
     params: Arc<Vec<f32>>,
@@ -118,9 +100,6 @@ struct Node {
     digest: Digest,
     /// Snapshots served as checkpoints, oldest first: (version, parameters).
     snaps: Vec<(u64, Arc<Vec<f32>>)>,
-    mesh: BTreeSet<usize>,
-    seen: HashSet<ContentId>,
-    timer: Option<u64>,
     /// When each blob was in hand here (own update, or fetched), µs.
     arrivals: HashMap<ContentId, Micros>,
     incarnation: u64,
@@ -140,17 +119,20 @@ struct Applied {
 /// An apply result: (step, parameters, metrics digest, wire digest).
 type Cached = (u64, Arc<Vec<f32>>, Digest, Digest);
 
+/// The engines' network and the world around it.
 pub struct World {
+    net: Net<Ev, Network>,
+    s: State,
+}
+
+/// Everything but the engines and the links: the network's [`Host`].
+struct State {
     sc: Scenario,
     run: RunConfig,
-    q: EventQueue<Ev>,
-    net: Network,
     nodes: Vec<Node>,
-    index: HashMap<NodeId, usize>,
     trainer: Box<dyn SimTrainer>,
-    /// (tag) → (node, from, id, bytes): frames waiting for their engine's verdict.
-    pending: HashMap<u64, (usize, usize, ContentId, Arc<Vec<u8>>)>,
-    next_tag: u64,
+    /// The step of the `LocalUpdate` the engine being handed an event is handling, if any.
+    local: Option<u64>,
     /// Apply results shared by nodes that apply the same set to the same parameters.
     cache: HashMap<[u8; 32], Cached>,
     losses: HashMap<Digest, f64>,
@@ -161,15 +143,11 @@ pub struct World {
     bytes: Vec<(Vec<u64>, Vec<u64>, Vec<bool>)>,
     desyncs: u64,
     rejected: u64,
-    events: u64,
     genesis: Digest,
     /// The genesis parameters' wire digest (what engines start from).
     genesis_wire: Digest,
     /// The checkpoint tensors (name, shape) every engine checks manifests against.
     ckpt_layout: Vec<(String, Vec<u32>)>,
-    /// Inbound checkpoint requests being served: token → (server, client, request).
-    ckpt_requests: HashMap<u64, (usize, usize, Request)>,
-    next_token: u64,
     /// How each lying checkpoint server lies.
     liars: HashMap<usize, Lie>,
     /// (client, liar) pairs where the client banned the liar or found it out.
@@ -297,16 +275,17 @@ impl World {
             .map(|(n, s, _)| (n, s))
             .collect();
         let classes = sc.node_classes();
-        let net = sc.network();
-        let mut w = World {
+        let net = Net::new(
+            (GENESIS_MS - 500) * 1000,
+            sc.network(),
+            sc.gossip.fetch_timeout_ms * 1000,
+            sc.gossip.request_bytes,
+        );
+        let s = State {
             run,
-            q: EventQueue::new((GENESIS_MS - 500) * 1000),
-            net,
             nodes: Vec::new(),
-            index: HashMap::new(),
             trainer,
-            pending: HashMap::new(),
-            next_tag: 1,
+            local: None,
             cache: HashMap::new(),
             losses: HashMap::new(),
             wire_extra,
@@ -316,12 +295,9 @@ impl World {
             bytes: Vec::new(),
             desyncs: 0,
             rejected: 0,
-            events: 0,
             genesis,
             genesis_wire,
             ckpt_layout,
-            ckpt_requests: HashMap::new(),
-            next_token: 1,
             liars: sc
                 .checkpoint_liars
                 .iter()
@@ -339,48 +315,100 @@ impl World {
             adv: AttackStats::default(),
             sc: sc.clone(),
         };
-        let l0 = w.trainer.eval(&init);
-        w.losses.insert(genesis, l0);
+        let mut w = World { net, s };
+        let (net, s) = (&mut w.net, &mut w.s);
+        let l0 = s.trainer.eval(&init);
+        s.losses.insert(genesis, l0);
         for (i, &c) in classes.iter().enumerate() {
-            w.spawn(i, sc.classes[c].compute_ms, Some(init.clone()));
+            s.spawn(net, i, sc.classes[c].compute_ms, Some(init.clone()));
         }
         // A random mesh: each node links to mesh_degree/2 others (both directions), so the
         // average degree is about mesh_degree.
-        let n = w.nodes.len();
+        let n = s.nodes.len();
         let half = sc.gossip.mesh_degree.div_ceil(2).min(n.saturating_sub(1));
         for i in 0..n {
             let mut added = 0;
             let mut tries = 0;
             while added < half && tries < 50 * half {
                 tries += 1;
-                let j = w.rng.below(n as u64) as usize;
-                if j != i && w.nodes[i].mesh.insert(j) {
-                    w.nodes[j].mesh.insert(i);
+                let j = s.rng.below(n as u64) as usize;
+                if j != i && !net.peers[i].mesh.contains(&j) {
+                    net.link(i, j);
                     added += 1;
                 }
             }
         }
         for i in 0..n {
-            w.connect_mesh(i);
+            net.connect(i);
         }
         for (x, attack) in adversary::assign(&sc.attackers, n, sc.seed) {
-            w.nodes[x].role = Conduct::Hostile(attack);
-            w.hostile_ids.insert(w.nodes[x].id);
+            s.nodes[x].role = Conduct::Hostile(attack);
+            s.hostile_ids.insert(net.peers[x].id);
         }
-        let t = w.run.timing.clone();
+        let t = s.run.timing.clone();
         for (fi, f) in sc.faults.iter().enumerate() {
-            w.q.push(f.at_ms(&t) * 1000, Ev::Fault(fi));
+            net.q.push(f.at_ms(&t) * 1000, Wire::World(Ev::Fault(fi)));
         }
-        for s in 0..=sc.steps {
-            w.q.push(t.step_start(s) * 1000, Ev::StepMark(s));
+        for step in 0..=sc.steps {
+            net.q
+                .push(t.step_start(step) * 1000, Wire::World(Ev::StepMark(step)));
         }
         Ok(w)
     }
 
+    /// Run to the end; `progress(step, steps)` is called at each step boundary.
+    pub fn run(mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Metrics, SimError> {
+        let t = self.s.run.timing.clone();
+        let end = (t.apply_at(self.s.sc.steps.saturating_sub(1)) + t.grace_ms + 100) * 1000;
+        let (net, s) = (&mut self.net, &mut self.s);
+        while let Some((now, ev)) = net.next(end, s) {
+            match ev {
+                Ev::StepMark(step) => {
+                    if step > 0 {
+                        let (up, down) = net.links.take_counters();
+                        let alive = net.peers.iter().map(|p| p.alive).collect();
+                        s.bytes.push((up, down, alive));
+                    }
+                    s.step_mark(net, step);
+                    progress(step, s.sc.steps);
+                }
+                Ev::Hostile {
+                    node,
+                    incarnation,
+                    step,
+                    local,
+                } => {
+                    if net.peers[node].alive && s.nodes[node].incarnation == incarnation {
+                        s.publish(net, node, step, local, now);
+                    }
+                }
+                Ev::Fault(fi) => s.fault(net, fi, now),
+                Ev::Recover(i) => {
+                    let c = s.nodes[i].compute_ms;
+                    net.links.set_down(i, false, now);
+                    s.spawn(net, i, c, None);
+                    net.connect(i);
+                }
+            }
+        }
+        self.s.metrics(&self.net)
+    }
+}
+
+/// The engines' network over the modelled links.
+type Engines = Net<Ev, Network>;
+
+impl State {
     /// A node process at index `i` (new or restarted): genesis params when starting on time,
     /// else a joiner.
-    fn spawn(&mut self, i: usize, compute_ms: u64, params: Option<Arc<Vec<f32>>>) {
-        let now_ms = self.q.now() / 1000;
+    fn spawn(
+        &mut self,
+        net: &mut Engines,
+        i: usize,
+        compute_ms: u64,
+        params: Option<Arc<Vec<f32>>>,
+    ) {
+        let now = net.now();
         let incarnation = self.nodes.get(i).map_or(0, |n| n.incarnation + 1);
         let idn = identity(self.sc.seed, i + 100_000 * incarnation as usize);
         let id = idn.node_id();
@@ -389,30 +417,22 @@ impl World {
             self.run.clone(),
             idn,
             genesis,
-            now_ms,
+            now / 1000,
             self.sc.seed ^ i as u64,
         );
         engine.set_checkpoint_layout(self.ckpt_layout.clone());
         let node = Node {
-            engine: Some(engine),
-            id,
-            alive: true,
             role: Conduct::Honest,
             compute_ms,
             params: params.unwrap_or_default(),
             version: 0,
             digest: genesis.unwrap_or_default(),
             snaps: Vec::new(),
-            mesh: BTreeSet::new(),
-            seen: HashSet::new(),
-            timer: None,
             arrivals: HashMap::new(),
             incarnation,
         };
         if i < self.nodes.len() {
             let old = std::mem::replace(&mut self.nodes[i], node);
-            self.index.remove(&old.id);
-            self.nodes[i].mesh = old.mesh;
             self.nodes[i].role = old.role;
             if old.role != Conduct::Honest {
                 self.hostile_ids.insert(id);
@@ -420,155 +440,44 @@ impl World {
         } else {
             self.nodes.push(node);
         }
-        self.index.insert(id, i);
+        net.place(i, engine);
         self.trainer.reset_node(i);
-        self.q.push(
-            self.q.now(),
-            Ev::Engine {
-                node: i,
-                ev: Event::Timer,
-            },
-        );
+        net.push_event(now, i, Event::Timer);
     }
 
-    fn connect_mesh(&mut self, i: usize) {
-        let now = self.q.now();
-        let peers: Vec<usize> = self.nodes[i].mesh.iter().copied().collect();
-        for j in peers {
-            if self.nodes[j].alive {
-                let (pi, pj) = (self.nodes[i].id, self.nodes[j].id);
-                self.q.push(
-                    now,
-                    Ev::Engine {
-                        node: i,
-                        ev: Event::PeerConnected { peer: pj },
-                    },
-                );
-                self.q.push(
-                    now,
-                    Ev::Engine {
-                        node: j,
-                        ev: Event::PeerConnected { peer: pi },
-                    },
-                );
-            }
-        }
-    }
-
-    /// Run to the end; `progress(step, steps)` is called at each step boundary.
-    pub fn run(mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Metrics, SimError> {
-        let t = self.run.timing.clone();
-        let end = (t.apply_at(self.sc.steps.saturating_sub(1)) + t.grace_ms + 100) * 1000;
-        while let Some((now, ev)) = self.q.pop_until(end) {
-            self.events += 1;
-            match ev {
-                Ev::StepMark(s) => {
-                    if s > 0 {
-                        let (up, down) = self.net.take_counters();
-                        let alive = self.nodes.iter().map(|n| n.alive).collect();
-                        self.bytes.push((up, down, alive));
-                    }
-                    self.step_mark(s);
-                    progress(s, self.sc.steps);
-                }
-                Ev::Hostile {
-                    node,
-                    incarnation,
-                    step,
-                    local,
-                } => {
-                    let n = &self.nodes[node];
-                    if n.alive && n.incarnation == incarnation {
-                        self.publish(node, step, local, now);
-                    }
-                }
-                Ev::Engine { node, ev } => self.deliver(node, ev, now),
-                Ev::Gossip {
-                    node,
-                    from,
-                    id,
-                    bytes,
-                } => {
-                    // A banned peer's frames are dropped by the transport before the duplicate
-                    // filter, so they cannot shadow the same frame from an honest relay.
-                    let banned = self.nodes[node]
-                        .engine
-                        .as_ref()
-                        .is_some_and(|e| e.is_banned(&self.nodes[from].id));
-                    if !self.nodes[node].alive || banned || !self.nodes[node].seen.insert(id) {
-                        continue;
-                    }
-                    let tag = self.next_tag;
-                    self.next_tag += 1;
-                    self.pending.insert(tag, (node, from, id, bytes.clone()));
-                    let from_id = self.nodes[from].id;
-                    self.deliver(
-                        node,
-                        Event::Message {
-                            from: from_id,
-                            tag: Some(tag),
-                            bytes: bytes.to_vec(),
-                        },
-                        now,
-                    );
-                }
-                Ev::FetchReq {
-                    server,
-                    client,
-                    blob,
-                } => self.serve(server, client, blob, now),
-                Ev::CkptReq {
-                    server,
-                    client,
-                    req,
-                } => self.serve_checkpoint(server, client, req, now),
-                Ev::Fault(fi) => self.fault(fi, now),
-                Ev::Recover(i) => {
-                    let c = self.nodes[i].compute_ms;
-                    self.net.set_down(i, false, now);
-                    self.spawn(i, c, None);
-                    self.connect_mesh(i);
-                }
-            }
-        }
-        self.metrics()
-    }
-
-    fn fault(&mut self, fi: usize, now: Micros) {
+    fn fault(&mut self, net: &mut Engines, fi: usize, now: Micros) {
         match self.sc.faults[fi].clone() {
             Fault::Crash {
                 node, recover_step, ..
             } => {
                 if node < self.nodes.len() {
-                    self.nodes[node].alive = false;
-                    self.nodes[node].engine = None;
-                    self.net.set_down(node, true, now);
+                    net.crash(node);
+                    net.links.set_down(node, true, now);
                     if let Some(r) = recover_step {
-                        self.q
-                            .push(self.run.timing.step_start(r) * 1000, Ev::Recover(node));
+                        let at = self.run.timing.step_start(r) * 1000;
+                        net.q.push(at, Wire::World(Ev::Recover(node)));
                     }
                 }
             }
             Fault::Join { count, class, .. } => {
                 let c = self.sc.classes[class].clone();
                 for _ in 0..count {
-                    let i = self.net.add(c.link.clone());
-                    self.spawn(i, c.compute_ms, None);
-                    let alive: Vec<usize> = (0..i).filter(|&j| self.nodes[j].alive).collect();
+                    let i = net.links.add(c.link.clone());
+                    self.spawn(net, i, c.compute_ms, None);
+                    let alive: Vec<usize> = (0..i).filter(|&j| net.peers[j].alive).collect();
                     let mut pick = alive.clone();
                     self.rng.shuffle(&mut pick);
                     for &j in pick.iter().take(self.sc.gossip.mesh_degree) {
-                        self.nodes[i].mesh.insert(j);
-                        self.nodes[j].mesh.insert(i);
+                        net.link(i, j);
                     }
-                    self.connect_mesh(i);
+                    net.connect(i);
                 }
             }
             Fault::Partition {
                 heal_step, lo, hi, ..
             } => {
                 let until = self.run.timing.step_start(heal_step) * 1000;
-                self.net.partitions.push(Partition {
+                net.links.partitions.push(Partition {
                     from: now,
                     until,
                     lo,
@@ -582,7 +491,7 @@ impl World {
                 ..
             } => {
                 if node < self.nodes.len() {
-                    let l: &mut LinkProfile = &mut self.net.links[node];
+                    let l: &mut LinkProfile = &mut net.links.links[node];
                     l.up_mbit *= factor;
                     l.down_mbit *= factor;
                     self.nodes[node].compute_ms =
@@ -592,268 +501,21 @@ impl World {
         }
     }
 
-    fn deliver(&mut self, i: usize, ev: Event, now: Micros) {
-        if !self.nodes[i].alive {
-            return;
-        }
-        if let Event::Fetched { blob, .. } = &ev {
-            self.nodes[i].arrivals.entry(*blob).or_insert(now);
-        }
-        let local = match &ev {
-            Event::LocalUpdate { step, .. } => Some(*step),
-            _ => None,
-        };
-        let Some(engine) = self.nodes[i].engine.as_mut() else {
-            return;
-        };
-        let actions = engine.handle(ev, now / 1000);
-        for a in actions {
-            if let (Some(step), Action::Publish { bytes }) = (local, &a) {
-                if bytes.get(1) == Some(&protocol::wire::kind::ANNOUNCE) {
-                    *self.produced.entry(step).or_default() += 1;
-                    if self.nodes[i].role != Conduct::Honest {
-                        self.adv.hostile_published += 1;
-                    }
-                }
-            }
-            self.act(i, a, now);
-        }
-        // One timer event per new instant the engine asks for (stale ones fire harmlessly).
-        let next = self.nodes[i].engine.as_ref().and_then(Engine::poll_timeout);
-        if let Some(at) = next.filter(|&at| self.nodes[i].timer != Some(at)) {
-            self.nodes[i].timer = Some(at);
-            self.q.push(
-                at * 1000,
-                Ev::Engine {
-                    node: i,
-                    ev: Event::Timer,
-                },
-            );
-        }
-    }
-
-    fn send_gossip(
-        &mut self,
-        i: usize,
-        id: ContentId,
-        bytes: Arc<Vec<u8>>,
-        except: Option<usize>,
-        now: Micros,
-    ) {
-        let peers: Vec<usize> = self.nodes[i]
-            .mesh
-            .iter()
-            .copied()
-            .filter(|&j| Some(j) != except)
-            .collect();
-        for j in peers {
-            if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
-                self.q.push(
-                    at,
-                    Ev::Gossip {
-                        node: j,
-                        from: i,
-                        id,
-                        bytes: bytes.clone(),
-                    },
-                );
-            }
-        }
-    }
-
-    fn timeout(&self) -> Micros {
-        self.sc.gossip.fetch_timeout_ms * 1000
-    }
-
-    fn serve(&mut self, server: usize, client: usize, blob: ContentId, now: Micros) {
-        let fail = Ev::Engine {
-            node: client,
-            ev: Event::FetchFailed {
-                from: self.nodes[server].id,
-                blob,
-            },
-        };
-        if !self.nodes[server].alive {
-            return self.q.push(now + self.timeout(), fail);
-        }
-        let resp = match self.nodes[server].role {
-            Conduct::Hostile(Attack::Withhold) => None,
-            Conduct::Hostile(_) if self.forged.contains_key(&blob) => {
-                self.forged.get(&blob).map(|f| f.1.clone())
-            }
-            _ => self.nodes[server]
-                .engine
-                .as_ref()
-                .and_then(|e| e.serve_update(&blob)),
-        };
-        match resp {
-            Some(frame) => {
-                let bytes = frame.len() as u64 + self.wire_extra;
-                match self.net.send(server, client, bytes, now) {
-                    Ok(at) => {
-                        let ev = Event::Fetched {
-                            from: self.nodes[server].id,
-                            blob,
-                            bytes: frame,
-                        };
-                        self.q.push(at, Ev::Engine { node: client, ev });
-                    }
-                    Err(_) => self.q.push(now + self.timeout(), fail),
-                }
-            }
-            None => match self.net.send(server, client, 64, now) {
-                Ok(at) => self.q.push(at, fail),
-                Err(_) => self.q.push(now + self.timeout(), fail),
-            },
-        }
-    }
-
-    /// What a node's engine asked for, done in the simulated world (one method per action).
-    fn act(&mut self, i: usize, a: Action, now: Micros) {
-        match a {
-            Action::Publish { bytes } => {
-                let id = ContentId::of(&bytes);
-                self.nodes[i].seen.insert(id);
-                self.send_gossip(i, id, Arc::new(bytes), None, now);
-            }
-            Action::Send { peer, bytes } => self.send(i, peer, bytes, now),
-            Action::Verdict { tag, verdict } => self.verdict(tag, verdict, now),
-            Action::Fetch { peer, blob } => self.fetch(i, peer, blob, now),
-            Action::Request { peer, req } => self.request(i, peer, req, now),
-            Action::Respond { token, bytes } => self.respond(i, token, bytes, now),
-            Action::ServeChunk {
-                token,
-                version,
-                index,
-                offset,
-                len,
-            } => {
-                let frame = self.chunk(i, version, index, offset, len);
-                self.respond(i, token, frame, now);
-            }
-            // Snapshots are taken on demand, before each manifest request is served.
-            Action::Snapshot => {}
-            Action::LoadCheckpoint {
-                version, tensors, ..
-            } => self.load_checkpoint(i, version, &tensors, now),
-            Action::StartStep { step, base_version } => self.start_step(i, step, base_version, now),
-            Action::Apply { step, updates } => self.apply(i, step, updates, now),
-            Action::Report(r) => self.count_report(i, r),
-            Action::Penalize {
-                peer,
-                reason,
-                points,
-            } => self.count_penalty(i, peer, reason, points),
-            Action::Ban { peer, reason } => self.ban(i, peer, reason, now),
-            Action::SpotCheck {
-                step,
-                sender,
-                blob,
-                tokens,
-                bytes,
-            } => {
-                let gain = self.spot_gain(i, step, sender, tokens, &bytes.0);
-                self.q.push(
-                    now + SPOT_MS * 1000,
-                    Ev::Engine {
-                        node: i,
-                        ev: Event::SpotChecked {
-                            step,
-                            sender,
-                            blob,
-                            gain,
-                        },
-                    },
-                );
-            }
-        }
-    }
-
-    /// A direct message (a Hello, an upload to a first hop) over the link.
-    fn send(&mut self, i: usize, peer: NodeId, bytes: Vec<u8>, now: Micros) {
-        if let Some(&j) = self.index.get(&peer) {
-            if let Ok(at) = self.net.send(i, j, bytes.len() as u64, now) {
-                let from = self.nodes[i].id;
-                self.q.push(
-                    at,
-                    Ev::Engine {
-                        node: j,
-                        ev: Event::Message {
-                            from,
-                            tag: None,
-                            bytes,
-                        },
-                    },
-                );
-            }
-        }
-    }
-
-    /// Forward a validated gossip message (gossipsub forwards only on `Accept`).
-    fn verdict(&mut self, tag: u64, verdict: Verdict, now: Micros) {
-        if let Some((node, from, id, bytes)) = self.pending.remove(&tag) {
-            if verdict == Verdict::Accept && self.nodes[node].alive {
-                self.send_gossip(node, id, bytes, Some(from), now);
-            }
-        }
-    }
-
-    /// A blob request to `peer`; no route or a lost request fails after the timeout.
-    fn fetch(&mut self, i: usize, peer: NodeId, blob: ContentId, now: Micros) {
-        let fail = Ev::Engine {
-            node: i,
-            ev: Event::FetchFailed { from: peer, blob },
-        };
-        match self.index.get(&peer).copied() {
-            Some(j) => match self.net.send(i, j, self.sc.gossip.request_bytes, now) {
-                Ok(at) => self.q.push(
-                    at,
-                    Ev::FetchReq {
-                        server: j,
-                        client: i,
-                        blob,
-                    },
-                ),
-                Err(_) => self.q.push(now + self.timeout(), fail),
-            },
-            None => self.q.push(now + self.timeout(), fail),
-        }
-    }
-
-    /// A checkpoint request (manifest or chunk) to `peer`, counted for the lying-server
-    /// figures.
-    fn request(&mut self, i: usize, peer: NodeId, req: Request, now: Micros) {
+    /// Node `i`'s checkpoint request to `peer`, counted for the lying-server figures (the
+    /// network carries it).
+    fn count_request(&mut self, net: &Engines, i: usize, peer: &NodeId) {
         self.ckpt.requests += 1;
-        let j = self.index.get(&peer).copied();
+        let j = net.index.get(peer).copied();
         if let Some(j) = j.filter(|j| self.liars.contains_key(j)) {
             self.ckpt.liar_requests += 1;
             let caught = self.caught.contains(&(i, j))
-                || self.nodes[i]
+                || net.peers[i]
                     .engine
                     .as_ref()
-                    .is_some_and(|e| e.is_banned(&peer) || e.is_checkpoint_liar(&peer));
+                    .is_some_and(|e| e.is_banned(peer) || e.is_checkpoint_liar(peer));
             self.ckpt.liar_requests_after_caught += caught as u64;
         }
-        let fail = Ev::Engine {
-            node: i,
-            ev: Event::RequestFailed {
-                peer,
-                req: req.clone(),
-            },
-        };
-        match j.map(|j| (j, self.net.send(i, j, self.sc.gossip.request_bytes, now))) {
-            Some((j, Ok(at))) => self.q.push(
-                at,
-                Ev::CkptReq {
-                    server: j,
-                    client: i,
-                    req,
-                },
-            ),
-            _ => self.q.push(now + self.timeout(), fail),
-        }
     }
-
     /// A chunk frame of node `i`'s kept snapshot `version` (a lying server corrupts it).
     fn chunk(&self, i: usize, version: u64, index: u32, offset: u64, len: u64) -> Vec<u8> {
         let snap = self.nodes[i].snaps.iter().find(|(v, _)| *v == version);
@@ -874,7 +536,14 @@ impl World {
     }
 
     /// The verified checkpoint becomes node `i`'s parameters; the engine hears it loaded.
-    fn load_checkpoint(&mut self, i: usize, version: u64, tensors: &[Vec<u8>], now: Micros) {
+    fn load_checkpoint(
+        &mut self,
+        net: &mut Engines,
+        i: usize,
+        version: u64,
+        tensors: &[Vec<u8>],
+        now: Micros,
+    ) {
         self.ckpt.loads += 1;
         let params: Vec<f32> = tensors
             .iter()
@@ -886,20 +555,21 @@ impl World {
         n.params = Arc::new(params);
         n.version = version;
         n.digest = digest;
-        self.q.push(
-            now + 1000,
-            Ev::Engine {
-                node: i,
-                ev: Event::CheckpointLoaded { version, digest },
-            },
-        );
+        net.push_event(now + 1000, i, Event::CheckpointLoaded { version, digest });
     }
 
     /// Node `i` trains `step`; its update (or an attacker's replacement) reaches its engine
     /// after the scenario's compute time.
-    fn start_step(&mut self, i: usize, step: u64, base_version: u64, now: Micros) {
+    fn start_step(
+        &mut self,
+        net: &mut Engines,
+        i: usize,
+        step: u64,
+        base_version: u64,
+        now: Micros,
+    ) {
         let params = self.nodes[i].params.clone();
-        let id = self.nodes[i].id;
+        let id = net.peers[i].id;
         let local = self.trainer.train(i, &id, step, base_version, &params);
         if let Some(l) = local.train_loss {
             let e = self.train_losses.entry(step).or_default();
@@ -928,32 +598,26 @@ impl World {
                     step,
                     local,
                 };
-                return self.q.push(at + wait, ev);
+                return net.q.push(at + wait, Wire::World(ev));
             }
         }
-        let Outgoing::Local { blob, tokens } = self.outgoing(i, step, local) else {
+        let Outgoing::Local { blob, tokens } = self.outgoing(net, i, step, local) else {
             return;
         };
-        let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
+        let id = UpdateHeader::blob_id(&net.peers[i].id, step, &blob);
         self.nodes[i].arrivals.insert(id, at);
-        self.q.push(
-            at,
-            Ev::Engine {
-                node: i,
-                ev: Event::LocalUpdate { step, blob, tokens },
-            },
-        );
+        net.push_event(at, i, Event::LocalUpdate { step, blob, tokens });
     }
 
     /// What honest engines report, counted for the metrics.
-    fn count_report(&mut self, i: usize, r: Report) {
+    fn count_report(&mut self, net: &Engines, i: usize, r: Report) {
         let honest = self.nodes[i].role == Conduct::Honest;
         match r {
             Report::Desync { .. } => self.desyncs += 1,
             Report::CheckpointRequested { .. } => self.ckpt.downloads += 1,
             Report::CheckpointFailed { .. } => self.ckpt.failures += 1,
             Report::Synced { .. } => self.ckpt.synced += 1,
-            Report::CheckpointLiar { peer } => match self.index.get(&peer) {
+            Report::CheckpointLiar { peer } => match net.index.get(&peer) {
                 Some(&j) if self.liars.contains_key(&j) => {
                     self.caught.insert((i, j));
                     self.ckpt.liars_found += 1;
@@ -993,10 +657,10 @@ impl World {
     }
 
     /// The shell disconnects a banned peer; counted as deserved or not.
-    fn ban(&mut self, i: usize, peer: NodeId, reason: Offence, now: Micros) {
+    fn ban(&mut self, net: &mut Engines, i: usize, peer: NodeId, reason: Offence, now: Micros) {
         // The shell disconnects a banned peer; gossipsub grafts others in its place.
-        if let Some(&j) = self.index.get(&peer) {
-            self.unlink(i, j, now);
+        if let Some(&j) = net.index.get(&peer) {
+            self.unlink(net, i, j, now);
             let ckpt = matches!(reason, Offence::BadCheckpoint(_) | Offence::FalseCheckpoint);
             if self.liars.contains_key(&j) {
                 self.caught.insert((i, j));
@@ -1040,7 +704,7 @@ impl World {
     /// blob its engine publishes and the tokens its header states, nothing, or frames forged
     /// in its name (equivocation, malformed messages: what an honest engine refuses to sign).
     /// Content attacks are `adversary::content_move`'s, the catalogue `swarm run` shares.
-    fn outgoing(&mut self, i: usize, step: u64, honest: Local) -> Outgoing {
+    fn outgoing(&mut self, net: &Engines, i: usize, step: u64, honest: Local) -> Outgoing {
         let attack = match self.nodes[i].role {
             Conduct::Honest | Conduct::Hostile(Attack::Withhold) => {
                 return Outgoing::Local {
@@ -1091,10 +755,10 @@ impl World {
         match attack {
             Attack::Equivocate => {
                 let flipped = adversary::signflip(&update, &layout);
-                let (a, fa) = self.forge(i, step, &update.encode(), tokens);
-                let (b, fb) = self.forge(i, step, &flipped.encode(), tokens);
+                let (a, fa) = self.forge(net, i, step, &update.encode(), tokens);
+                let (b, fb) = self.forge(net, i, step, &flipped.encode(), tokens);
                 // Alternate mesh peers get different versions; relays spread both.
-                let sends = self.nodes[i]
+                let sends = net.peers[i]
                     .mesh
                     .iter()
                     .enumerate()
@@ -1111,11 +775,11 @@ impl World {
                     match adversary::malformed(step, &update, &layout, max, &mut rng) {
                         Bad::Frame(f) => (f, Vec::new()),
                         Bad::Blob(blob) => {
-                            let ((id, ann), upd) = self.forge(i, step, &blob, tokens);
+                            let ((id, ann), upd) = self.forge(net, i, step, &blob, tokens);
                             (ann, vec![(id, upd)])
                         }
                     };
-                let sends = self.nodes[i]
+                let sends = net.peers[i]
                     .mesh
                     .iter()
                     .map(|&j| (j, frame.clone()))
@@ -1130,14 +794,15 @@ impl World {
     /// fetch response frame).
     fn forge(
         &mut self,
+        net: &Engines,
         i: usize,
         step: u64,
         blob: &[u8],
         tokens: u64,
     ) -> ((ContentId, Vec<u8>), Vec<u8>) {
-        let n = &self.nodes[i];
+        let (n, p) = (&self.nodes[i], &net.peers[i]);
         let me = identity(self.sc.seed, i + 100_000 * n.incarnation as usize);
-        let base = n
+        let base = p
             .engine
             .as_ref()
             .map(|e| {
@@ -1148,7 +813,7 @@ impl World {
         let (run_id, bits) = (self.run_id, self.run.defence.pow_bits);
         let pow = *self
             .pow
-            .entry(n.id)
+            .entry(p.id)
             .or_insert_with(|| crypto::pow::solve(&run_id.0, &me.node_id(), bits));
         let (id, ann, upd) =
             adversary::forge(&self.run, self.run_id, &me, pow, step, base, blob, tokens);
@@ -1157,13 +822,13 @@ impl World {
 
     /// An attacker publishes for `step` (at its publication time): through its engine, or by
     /// sending forged frames to its mesh peers.
-    fn publish(&mut self, i: usize, step: u64, local: Local, now: Micros) {
-        match self.outgoing(i, step, local) {
+    fn publish(&mut self, net: &mut Engines, i: usize, step: u64, local: Local, now: Micros) {
+        match self.outgoing(net, i, step, local) {
             Outgoing::Nothing => {}
             Outgoing::Local { blob, tokens } => {
-                let id = UpdateHeader::blob_id(&self.nodes[i].id, step, &blob);
+                let id = UpdateHeader::blob_id(&net.peers[i].id, step, &blob);
                 self.nodes[i].arrivals.insert(id, now);
-                self.deliver(i, Event::LocalUpdate { step, blob, tokens }, now);
+                net.deliver(i, Event::LocalUpdate { step, blob, tokens }, now, self);
             }
             Outgoing::Forged { sends, serve } => {
                 *self.produced.entry(step).or_default() += 1;
@@ -1173,16 +838,8 @@ impl World {
                 }
                 for (j, frame) in sends {
                     let id = ContentId::of(&frame);
-                    self.nodes[i].seen.insert(id);
-                    if let Ok(at) = self.net.send(i, j, frame.len() as u64, now) {
-                        let ev = Ev::Gossip {
-                            node: j,
-                            from: i,
-                            id,
-                            bytes: Arc::new(frame),
-                        };
-                        self.q.push(at, ev);
-                    }
+                    net.peers[i].seen.insert(id);
+                    net.gossip_to(i, j, id, Arc::new(frame), now);
                 }
             }
         }
@@ -1190,64 +847,58 @@ impl World {
 
     /// Node `i` drops its mesh link to `j` (it banned `j`) and, if its mesh fell below half
     /// its degree, grafts random live peers it has not banned (gossipsub's `mesh_n_low`).
-    fn unlink(&mut self, i: usize, j: usize, now: Micros) {
-        self.nodes[i].mesh.remove(&j);
-        self.nodes[j].mesh.remove(&i);
+    fn unlink(&mut self, net: &mut Engines, i: usize, j: usize, now: Micros) {
+        net.peers[i].mesh.remove(&j);
+        net.peers[j].mesh.remove(&i);
         let low = self.sc.gossip.mesh_degree.div_ceil(2);
         let n = self.nodes.len();
         let mut tries = 0;
-        while self.nodes[i].mesh.len() < low && tries < 4 * n {
+        while net.peers[i].mesh.len() < low && tries < 4 * n {
             tries += 1;
             let c = self.rng.below(n as u64) as usize;
             let ok = c != i
                 && c != j
-                && self.nodes[c].alive
-                && !self.nodes[i].mesh.contains(&c)
-                && self.nodes[i]
+                && net.peers[c].alive
+                && !net.peers[i].mesh.contains(&c)
+                && net.peers[i]
                     .engine
                     .as_ref()
-                    .is_some_and(|e| !e.is_banned(&self.nodes[c].id));
+                    .is_some_and(|e| !e.is_banned(&net.peers[c].id));
             if ok {
-                self.nodes[i].mesh.insert(c);
-                self.nodes[c].mesh.insert(i);
-                let (pi, pc) = (self.nodes[i].id, self.nodes[c].id);
-                let ev = |node, peer| Ev::Engine {
-                    node,
-                    ev: Event::PeerConnected { peer },
-                };
-                self.q.push(now, ev(i, pc));
-                self.q.push(now, ev(c, pi));
+                net.link(i, c);
+                let (pi, pc) = (net.peers[i].id, net.peers[c].id);
+                net.push_event(now, i, Event::PeerConnected { peer: pc });
+                net.push_event(now, c, Event::PeerConnected { peer: pi });
             }
         }
     }
 
     /// A fresh identity (a Sybil's next one) connects to `mesh_degree` random live peers, as
     /// a joiner does.
-    fn regraft(&mut self, i: usize) {
-        let old: Vec<usize> = self.nodes[i].mesh.iter().copied().collect();
+    fn regraft(&mut self, net: &mut Engines, i: usize) {
+        let old: Vec<usize> = net.peers[i].mesh.iter().copied().collect();
         for j in old {
-            self.nodes[j].mesh.remove(&i);
+            net.peers[j].mesh.remove(&i);
         }
-        self.nodes[i].mesh.clear();
+        net.peers[i].mesh.clear();
         let mut pick: Vec<usize> = (0..self.nodes.len())
-            .filter(|&j| j != i && self.nodes[j].alive)
+            .filter(|&j| j != i && net.peers[j].alive)
             .collect();
         self.rng.shuffle(&mut pick);
         for &j in pick.iter().take(self.sc.gossip.mesh_degree) {
-            self.nodes[i].mesh.insert(j);
-            self.nodes[j].mesh.insert(i);
+            net.link(i, j);
         }
     }
 
     /// Step boundary bookkeeping: Sybils take fresh identities; old attacker state is dropped.
-    fn step_mark(&mut self, s: u64) {
+    fn step_mark(&mut self, net: &mut Engines, s: u64) {
         for i in 0..self.nodes.len() {
             if let Conduct::Hostile(Attack::Sybil { every }) = self.nodes[i].role {
-                if s > 0 && s.is_multiple_of(every) && self.nodes[i].alive {
+                if s > 0 && s.is_multiple_of(every) && net.peers[i].alive {
                     let c = self.nodes[i].compute_ms;
-                    self.spawn(i, c, None);
-                    self.regraft(i);
-                    self.connect_mesh(i);
+                    self.spawn(net, i, c, None);
+                    self.regraft(net, i);
+                    net.connect(i);
                 }
             }
         }
@@ -1269,6 +920,7 @@ impl World {
 
     fn apply(
         &mut self,
+        net: &mut Engines,
         i: usize,
         step: u64,
         updates: Vec<protocol::engine::Included>,
@@ -1331,43 +983,12 @@ impl World {
             honest,
             hostile,
         });
-        self.q.push(
-            now + 1000,
-            Ev::Engine {
-                node: i,
-                ev: Event::Applied { step, digest: wire },
-            },
-        );
-    }
-
-    /// A checkpoint request reaches `server`: its engine decides (`Respond`, `ServeChunk`).
-    fn serve_checkpoint(&mut self, server: usize, client: usize, req: Request, now: Micros) {
-        let peer = self.nodes[server].id;
-        if !self.nodes[server].alive || self.nodes[server].engine.is_none() {
-            let ev = Event::RequestFailed { peer, req };
-            return self
-                .q
-                .push(now + self.timeout(), Ev::Engine { node: client, ev });
-        }
-        if let Request::Manifest { .. } = req {
-            self.snapshot(server, now);
-        }
-        let token = self.next_token;
-        self.next_token += 1;
-        self.ckpt_requests
-            .insert(token, (server, client, req.clone()));
-        let from = self.nodes[client].id;
-        let ev = Event::Requested {
-            peer: from,
-            token,
-            req,
-        };
-        self.deliver(server, ev, now);
+        net.push_event(now + 1000, i, Event::Applied { step, digest: wire });
     }
 
     /// `server` snapshots its parameters for serving, unless it holds that version already
     /// (a liar of [`Lie::Manifest`] snapshots other parameters under the same version).
-    fn snapshot(&mut self, server: usize, now: Micros) {
+    fn snapshot(&mut self, net: &mut Engines, server: usize, now: Micros) {
         let n = &self.nodes[server];
         let v = n.version;
         if n.snaps.iter().any(|(s, _)| *s == v) {
@@ -1382,39 +1003,20 @@ impl World {
             params = Arc::new(p);
         }
         let tensors = self.trainer.checkpoint_tensors(&params);
-        let manifest = download::manifest_of(self.run_id, &self.run.limits, n.id, v, &tensors);
+        let manifest = download::manifest_of(
+            self.run_id,
+            &self.run.limits,
+            net.peers[server].id,
+            v,
+            &tensors,
+        );
         let n = &mut self.nodes[server];
         n.snaps.retain(|(s, _)| *s < v);
         n.snaps.push((v, params));
         if n.snaps.len() > protocol::engine::KEEP_SNAPSHOTS {
             n.snaps.remove(0);
         }
-        self.deliver(server, Event::Snapshot { manifest }, now);
-    }
-
-    /// `server` answers request `token` with `bytes` (empty: "not here").
-    fn respond(&mut self, server: usize, token: u64, bytes: Vec<u8>, now: Micros) {
-        let Some((_, client, req)) = self.ckpt_requests.remove(&token) else {
-            return;
-        };
-        let peer = self.nodes[server].id;
-        // A modelled checkpoint size is charged chunk by chunk, in proportion.
-        let real = self.nodes[server].params.len() as u64 * 4;
-        let charged = match (&req, self.sc.model.checkpoint_bytes) {
-            (Request::Chunk { .. }, b) if b > 0 && real > 0 => {
-                (bytes.len() as u64).saturating_mul(b) / real
-            }
-            _ => bytes.len() as u64,
-        };
-        let ev = match self.net.send(server, client, charged.max(64), now) {
-            Ok(at) => {
-                let ev = Event::Response { peer, req, bytes };
-                return self.q.push(at, Ev::Engine { node: client, ev });
-            }
-            Err(_) => Event::RequestFailed { peer, req },
-        };
-        self.q
-            .push(now + self.timeout(), Ev::Engine { node: client, ev });
+        net.deliver(server, Event::Snapshot { manifest }, now, self);
     }
 
     fn adversary_stats(&self) -> AttackStats {
@@ -1451,7 +1053,7 @@ impl World {
         a
     }
 
-    fn metrics(mut self) -> Result<Metrics, SimError> {
+    fn metrics(mut self, net: &Engines) -> Result<Metrics, SimError> {
         let sc = self.sc.clone();
         // Without a baseline its column is NaN (null in the JSON; the plot leaves it out).
         let baseline = if sc.trainer.baseline || sc.trainer.kind == TrainerKind::Synthetic {
@@ -1532,26 +1134,146 @@ impl World {
         m.totals.initial_loss = self.losses.get(&self.genesis).copied().unwrap_or(f64::NAN);
         m.totals.desyncs = self.desyncs;
         m.totals.rejected = self.rejected;
-        m.totals.messages = self.net.messages;
-        m.totals.lost = self.net.lost;
-        m.totals.events = self.events;
+        m.totals.messages = net.links.messages;
+        m.totals.lost = net.links.lost;
+        m.totals.events = net.events;
         finish(&mut m, &mut all_lat);
         if !self.sc.attackers.is_empty() || !self.run.defence.is_off() {
             m.adversary = Some(self.adversary_stats());
         }
         if self.ckpt.downloads > 0 {
             let mut c = self.ckpt.clone();
-            for (i, n) in self.nodes.iter().enumerate() {
+            for (i, n) in net.peers.iter().enumerate() {
                 let Some(e) = n.engine.as_ref().filter(|_| n.alive) else {
                     continue;
                 };
                 for &j in self.liars.keys().filter(|&&j| j != i) {
-                    let l = &self.nodes[j].id;
+                    let l = &net.peers[j].id;
                     c.liars_caught += (e.is_banned(l) || e.is_checkpoint_liar(l)) as u64;
                 }
             }
             m.checkpoints = Some(c);
         }
         Ok(m)
+    }
+}
+
+/// What the engines' network leaves to the world.
+impl Host<Ev, Network> for State {
+    /// What a node's engine asked for beyond the network, done in the simulated world (one
+    /// method per action).
+    fn act(&mut self, net: &mut Engines, i: usize, a: Action, now: Micros) {
+        match a {
+            Action::ServeChunk {
+                token,
+                version,
+                index,
+                offset,
+                len,
+            } => {
+                let frame = self.chunk(i, version, index, offset, len);
+                net.respond(i, token, frame, now, self);
+            }
+            // Snapshots are taken on demand, before each manifest request is served.
+            Action::Snapshot => {}
+            Action::LoadCheckpoint {
+                version, tensors, ..
+            } => self.load_checkpoint(net, i, version, &tensors, now),
+            Action::StartStep { step, base_version } => {
+                self.start_step(net, i, step, base_version, now)
+            }
+            Action::Apply { step, updates } => self.apply(net, i, step, updates, now),
+            Action::Report(r) => self.count_report(net, i, r),
+            Action::Penalize {
+                peer,
+                reason,
+                points,
+            } => self.count_penalty(i, peer, reason, points),
+            Action::Ban { peer, reason } => self.ban(net, i, peer, reason, now),
+            Action::SpotCheck {
+                step,
+                sender,
+                blob,
+                tokens,
+                bytes,
+            } => {
+                let gain = self.spot_gain(i, step, sender, tokens, &bytes.0);
+                let ev = Event::SpotChecked {
+                    step,
+                    sender,
+                    blob,
+                    gain,
+                };
+                net.push_event(now + SPOT_MS * 1000, i, ev);
+            }
+            // The network's own (publish, send, verdict, fetch, request, respond).
+            _ => {}
+        }
+    }
+
+    fn event(&mut self, i: usize, ev: &Event, now: Micros) {
+        if let Event::Fetched { blob, .. } = ev {
+            self.nodes[i].arrivals.entry(*blob).or_insert(now);
+        }
+        self.local = match ev {
+            Event::LocalUpdate { step, .. } => Some(*step),
+            _ => None,
+        };
+    }
+
+    /// Updates produced (an announce published for a local update), and checkpoint requests.
+    fn sees(&mut self, net: &Engines, i: usize, a: &Action, _now: Micros) {
+        match (self.local, a) {
+            (Some(step), Action::Publish { bytes })
+                if bytes.get(1) == Some(&protocol::wire::kind::ANNOUNCE) =>
+            {
+                *self.produced.entry(step).or_default() += 1;
+                if self.nodes[i].role != Conduct::Honest {
+                    self.adv.hostile_published += 1;
+                }
+            }
+            (_, Action::Request { peer, .. }) => self.count_request(net, i, peer),
+            _ => {}
+        }
+    }
+
+    /// Withholders serve nothing; attackers serve the updates they forged.
+    fn serve(&mut self, net: &Engines, server: usize, blob: &ContentId) -> Option<Vec<u8>> {
+        match self.nodes[server].role {
+            Conduct::Hostile(Attack::Withhold) => None,
+            Conduct::Hostile(_) if self.forged.contains_key(blob) => {
+                self.forged.get(blob).map(|f| f.1.clone())
+            }
+            _ => net.peers[server]
+                .engine
+                .as_ref()
+                .and_then(|e| e.serve_update(blob)),
+        }
+    }
+
+    /// A modelled update size is charged in full.
+    fn blob_bytes(&self, frame: &[u8]) -> u64 {
+        frame.len() as u64 + self.wire_extra
+    }
+
+    fn snapshot(&mut self, net: &mut Engines, server: usize, now: Micros) {
+        State::snapshot(self, net, server, now);
+    }
+
+    /// A modelled checkpoint size is charged chunk by chunk, in proportion.
+    fn respond(
+        &mut self,
+        _net: &Engines,
+        server: usize,
+        req: &Request,
+        bytes: &mut Vec<u8>,
+    ) -> u64 {
+        let real = self.nodes[server].params.len() as u64 * 4;
+        match (req, self.sc.model.checkpoint_bytes) {
+            (Request::Chunk { .. }, b) if b > 0 && real > 0 => {
+                (bytes.len() as u64).saturating_mul(b) / real
+            }
+            _ => bytes.len() as u64,
+        }
     }
 }

@@ -205,7 +205,10 @@ impl<X, L: Links> Net<X, L> {
 
     /// Node `i`'s engine (panics after a crash: tests ask only live nodes).
     pub fn engine(&self, i: usize) -> &Engine {
-        self.peers[i].engine.as_ref().expect("a live node has an engine")
+        self.peers[i]
+            .engine
+            .as_ref()
+            .expect("a live node has an engine")
     }
 
     /// Put a node process with `engine` at index `i`: a new node at the end, or a restarted
@@ -329,7 +332,13 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// Carry out a network action of node `i`; any other action is handed back.
-    fn carry<H: Host<X, L>>(&mut self, i: usize, a: Action, now: Micros, host: &mut H) -> Option<Action> {
+    fn carry<H: Host<X, L>>(
+        &mut self,
+        i: usize,
+        a: Action,
+        now: Micros,
+        host: &mut H,
+    ) -> Option<Action> {
         match a {
             Action::Publish { bytes } => {
                 let id = ContentId::of(&bytes);
@@ -347,7 +356,14 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// Queue `ev` from `from` for `to` at `at`, unless the host's drop rule loses it.
-    fn arrive<H: Host<X, L>>(&mut self, host: &mut H, from: usize, to: usize, at: Micros, ev: Event) {
+    fn arrive<H: Host<X, L>>(
+        &mut self,
+        host: &mut H,
+        from: usize,
+        to: usize,
+        at: Micros,
+        ev: Event,
+    ) {
         if !host.drops(at, from, to, &ev) {
             self.push_event(at, to, ev);
         }
@@ -374,7 +390,14 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// Node `i` sends a gossip frame to `j` alone (an attacker's frames differ per peer).
-    pub fn gossip_to(&mut self, i: usize, j: usize, id: ContentId, bytes: Arc<Vec<u8>>, now: Micros) {
+    pub fn gossip_to(
+        &mut self,
+        i: usize,
+        j: usize,
+        id: ContentId,
+        bytes: Arc<Vec<u8>>,
+        now: Micros,
+    ) {
         if let Some(at) = self.links.send(i, j, bytes.len() as u64, now) {
             let from = Origin::Node(i);
             self.q.push(
@@ -429,7 +452,14 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// A direct message (a Hello, an upload to a first hop) over the link.
-    fn send<H: Host<X, L>>(&mut self, i: usize, peer: NodeId, bytes: Vec<u8>, now: Micros, host: &mut H) {
+    fn send<H: Host<X, L>>(
+        &mut self,
+        i: usize,
+        peer: NodeId,
+        bytes: Vec<u8>,
+        now: Micros,
+        host: &mut H,
+    ) {
         if let Some(&j) = self.index.get(&peer) {
             if let Some(at) = self.links.send(i, j, bytes.len() as u64, now) {
                 let from = self.peers[i].id;
@@ -457,7 +487,14 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// A blob request to `peer`; no route or a lost request fails after the timeout.
-    fn fetch<H: Host<X, L>>(&mut self, i: usize, peer: NodeId, blob: ContentId, now: Micros, host: &mut H) {
+    fn fetch<H: Host<X, L>>(
+        &mut self,
+        i: usize,
+        peer: NodeId,
+        blob: ContentId,
+        now: Micros,
+        host: &mut H,
+    ) {
         let fail = Event::FetchFailed { from: peer, blob };
         let Some(j) = self.index.get(&peer).copied() else {
             match host.fetch_outside(self, peer, &blob, now) {
@@ -489,14 +526,24 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// A blob request reaches `server`: its answer (or "not here") travels back.
-    fn serve<H: Host<X, L>>(&mut self, server: usize, client: usize, blob: ContentId, now: Micros, host: &mut H) {
+    fn serve<H: Host<X, L>>(
+        &mut self,
+        server: usize,
+        client: usize,
+        blob: ContentId,
+        now: Micros,
+        host: &mut H,
+    ) {
         let from = self.peers[server].id;
         let fail = Event::FetchFailed { from, blob };
         if !self.peers[server].alive {
             return self.push_event(now + self.timeout, client, fail);
         }
         match host.serve(self, server, &blob) {
-            Some(frame) => match self.links.send(server, client, host.blob_bytes(&frame), now) {
+            Some(frame) => match self
+                .links
+                .send(server, client, host.blob_bytes(&frame), now)
+            {
                 Some(at) => {
                     let ev = Event::Fetched {
                         from,
@@ -562,15 +609,32 @@ impl<X, L: Links> Net<X, L> {
     }
 
     /// `server` answers checkpoint request `token` with `bytes` (empty: "not here").
-    pub fn respond<H: Host<X, L>>(&mut self, server: usize, token: u64, mut bytes: Vec<u8>, now: Micros, host: &mut H) {
+    pub fn respond<H: Host<X, L>>(
+        &mut self,
+        server: usize,
+        token: u64,
+        mut bytes: Vec<u8>,
+        now: Micros,
+        host: &mut H,
+    ) {
         let Some((_, client, req)) = self.requests.remove(&token) else {
             return;
         };
         let peer = self.peers[server].id;
         let charged = host.respond(self, server, &req, &mut bytes);
         match self.links.send(server, client, charged.max(64), now) {
-            Some(at) => self.arrive(host, server, client, at, Event::Response { peer, req, bytes }),
-            None => self.push_event(now + self.timeout, client, Event::RequestFailed { peer, req }),
+            Some(at) => self.arrive(
+                host,
+                server,
+                client,
+                at,
+                Event::Response { peer, req, bytes },
+            ),
+            None => self.push_event(
+                now + self.timeout,
+                client,
+                Event::RequestFailed { peer, req },
+            ),
         }
     }
 }

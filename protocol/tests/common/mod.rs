@@ -12,8 +12,8 @@ use crypto::{ContentId, Digest, Identity, NodeId};
 use protocol::config::{ModelConfig, OptimConfig, ValueCodec};
 use protocol::engine::{Action, Engine, Event};
 use protocol::run::{DataSpec, RunConfig, StepTiming};
-use protocol::testnet::{Fixed, Host, Micros, Net};
 use protocol::sparse::{SparseUpdate, TensorUpdate};
+use protocol::testnet::{Fixed, Host, Micros, Net};
 
 pub const GENESIS: u64 = 1_000_000;
 pub const PERIOD: u64 = 1000;
@@ -195,7 +195,12 @@ impl Sim {
     pub fn new(run: RunConfig, n: usize) -> Sim {
         let latency = 10;
         // A request to a dead or unknown peer fails about a round trip later.
-        let net = Net::new((GENESIS - 500) * 1000, Fixed(latency * 1000), 2 * latency * 1000, 64);
+        let net = Net::new(
+            (GENESIS - 500) * 1000,
+            Fixed(latency * 1000),
+            2 * latency * 1000,
+            64,
+        );
         let mut s = Sim {
             net,
             world: World {
@@ -427,7 +432,10 @@ impl Host<(), Fixed> for World {
         if self.silent.contains(&peer) {
             return None;
         }
-        Some((now + 2 * self.latency * 1000, self.served.get(blob).cloned()))
+        Some((
+            now + 2 * self.latency * 1000,
+            self.served.get(blob).cloned(),
+        ))
     }
 
     /// The server snapshots what it holds (a real node: after each step).
