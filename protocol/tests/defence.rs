@@ -34,19 +34,6 @@ fn included_from(sim: &Sim, i: usize, j: usize, from: u64) -> Vec<u64> {
         .collect()
 }
 
-fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
-    let h0 = sim.history(nodes[0]);
-    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
-    for &i in &nodes[1..] {
-        let h = sim.history(i);
-        for (step, v) in &h0 {
-            if let Some(w) = h.get(step) {
-                assert_eq!(v, w, "node {i} disagrees at step {step}");
-            }
-        }
-    }
-}
-
 fn penalized_for(sim: &Sim, i: usize, who: &NodeId, what: fn(&Offence) -> bool) -> bool {
     sim.actions(i)
         .any(|a| matches!(a, Action::Penalize { peer, reason, .. } if peer == who && what(reason)))

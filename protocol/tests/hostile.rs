@@ -11,22 +11,6 @@ use protocol::engine::{Action, Event, Report};
 use protocol::run::RunConfig;
 use protocol::wire::{Message, Signed, StepSummary};
 
-fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
-    let h0 = sim.history(nodes[0]);
-    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
-    for &i in &nodes[1..] {
-        let h = sim.history(i);
-        for (step, v) in &h0 {
-            if let Some(w) = h.get(step) {
-                assert_eq!(v, w, "node {i} disagrees at step {step}");
-            }
-        }
-        let last = h.keys().next_back().copied().unwrap_or(0);
-        let last0 = *h0.keys().next_back().expect("node 0 applied a step");
-        assert!(last + 1 >= last0, "node {i} fell behind: {last} vs {last0}");
-    }
-}
-
 fn forged() -> Digest {
     Digest::of(b"the attacker's parameters")
 }

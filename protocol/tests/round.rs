@@ -11,27 +11,6 @@ use protocol::error::{DecodeError, Offence};
 use protocol::sparse::SparseError;
 use protocol::wire::{Message, UpdateHeader};
 
-fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
-    let h0 = sim.history(nodes[0]);
-    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
-    for &i in &nodes[1..] {
-        let h = sim.history(i);
-        for (step, v) in &h0 {
-            if let Some(w) = h.get(step) {
-                assert_eq!(v, w, "node {i} disagrees at step {step}");
-            }
-        }
-        let (last, last0) = (
-            h.keys().next_back().copied().unwrap_or(0),
-            *h0.keys().next_back().expect("node 0 applied a step"),
-        );
-        assert!(
-            last + 1 >= last0,
-            "node {i} fell behind: step {last} vs {last0}"
-        );
-    }
-}
-
 fn penalized(sim: &Sim, i: usize, who: &crypto::NodeId) -> Vec<Offence> {
     sim.actions(i)
         .filter_map(|a| match a {

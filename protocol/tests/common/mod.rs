@@ -176,6 +176,8 @@ pub struct World {
     pub liars: BTreeSet<usize>,
     /// Gossip tags of frames from peers outside the simulation.
     pub outside_tags: BTreeSet<u64>,
+    /// Every gossip frame an engine was handed: (node, sender, content id).
+    pub heard: Vec<(usize, NodeId, ContentId)>,
 }
 
 impl std::ops::Deref for Sim {
@@ -216,6 +218,7 @@ impl Sim {
                 silent: Default::default(),
                 liars: Default::default(),
                 outside_tags: Default::default(),
+                heard: Vec::new(),
             },
         };
         s.net.relay = false;
@@ -401,16 +404,17 @@ impl Host<(), Fixed> for World {
         }
     }
 
-    fn event(&mut self, _node: usize, ev: &Event, _now: Micros) {
+    fn event(&mut self, node: usize, ev: &Event, _now: Micros) {
         if let Event::Message {
             from,
             tag: Some(tag),
-            ..
+            bytes,
         } = ev
         {
             if !self.nodes.iter().any(|n| n.id == *from) {
                 self.outside_tags.insert(*tag);
             }
+            self.heard.push((node, *from, ContentId::of(bytes)));
         }
     }
 
@@ -467,6 +471,29 @@ impl Host<(), Fixed> for World {
             }
         }
         bytes.len() as u64
+    }
+}
+
+/// `nodes` applied the same sets with the same digests at every step they share, at least
+/// `min_steps` of them, and none fell more than a step behind the first.
+pub fn assert_agree(sim: &Sim, nodes: &[usize], min_steps: usize) {
+    let h0 = sim.history(nodes[0]);
+    assert!(h0.len() >= min_steps, "only {} steps applied", h0.len());
+    for &i in &nodes[1..] {
+        let h = sim.history(i);
+        for (step, v) in &h0 {
+            if let Some(w) = h.get(step) {
+                assert_eq!(v, w, "node {i} disagrees at step {step}");
+            }
+        }
+        let (last, last0) = (
+            h.keys().next_back().copied().unwrap_or(0),
+            *h0.keys().next_back().expect("node 0 applied a step"),
+        );
+        assert!(
+            last + 1 >= last0,
+            "node {i} fell behind: step {last} vs {last0}"
+        );
     }
 }
 
