@@ -34,7 +34,7 @@ pub enum CryptoError {
     #[error("{path}: key file is readable by others (mode {mode:o}); chmod 600 it")]
     InsecurePermissions { path: PathBuf, mode: u32 },
     #[error("no OS randomness: {0}")]
-    Random(String),
+    Random(#[from] getrandom::Error),
     #[error("public key is not a valid ed25519 point")]
     InvalidPublicKey,
     #[error("public key has small order")]
@@ -380,7 +380,7 @@ impl Identity {
     /// A fresh key from the OS's randomness.
     pub fn generate() -> Result<Identity, CryptoError> {
         let mut seed = [0u8; 32];
-        getrandom::getrandom(&mut seed).map_err(|e| CryptoError::Random(e.to_string()))?;
+        getrandom::getrandom(&mut seed)?;
         Ok(Identity::from_seed(seed))
     }
 

@@ -25,6 +25,7 @@ use protocol::wire::{kind, Message, Signed, UpdateHeader, WIRE_VERSION};
 use serde::{Deserialize, Serialize};
 
 use crate::rng::{derive, Rng};
+use crate::ScenarioError;
 
 /// One kind of hostile behaviour, with its parameter. TOML: `kind = "alie"`, `z = 1.0`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -229,7 +230,7 @@ impl Attack {
     }
 
     /// Parameters out of range, in words.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ScenarioError> {
         let ok = match *self {
             Attack::Noise { scale } => scale.is_finite() && scale >= 0.0,
             Attack::Scale { factor, .. } => factor.is_finite() && factor > 0.0,
@@ -244,7 +245,9 @@ impl Attack {
         if ok {
             Ok(())
         } else {
-            Err(format!("attacker {}: parameter out of range", self.label()))
+            Err(ScenarioError::AttackParameter {
+                attacker: self.label(),
+            })
         }
     }
 }

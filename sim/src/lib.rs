@@ -17,6 +17,7 @@
 //! metrics, byte for byte.
 
 pub mod adversary;
+mod error;
 pub mod flow;
 pub mod metrics;
 pub mod net;
@@ -28,18 +29,9 @@ pub mod tiny;
 pub mod worked;
 pub mod world;
 
-use thiserror::Error;
-
+pub use error::{ScenarioError, SimError};
 pub use metrics::Metrics;
 pub use scenario::{Mode, Scenario};
-
-#[derive(Debug, Error)]
-pub enum SimError {
-    #[error("scenario: {0}")]
-    Scenario(String),
-    #[error("i/o: {0}")]
-    Io(String),
-}
 
 /// Run a scenario in the mode it names. `progress(step, steps)` is called as virtual time
 /// passes each step boundary.

@@ -6,7 +6,7 @@ use protocol::run::Defence;
 use serde::{Deserialize, Serialize};
 
 use crate::net::LinkProfile;
-use crate::SimError;
+use crate::{ScenarioError, SimError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -348,9 +348,7 @@ impl DefenceSpec {
             DefenceSpec::Preset(p) => match p.as_str() {
                 "full" => Ok(Defence::full()),
                 "off" => Ok(Defence::default()),
-                other => Err(SimError::Scenario(format!(
-                    "defence = \"{other}\": use \"full\", \"off\" or a [defence] table"
-                ))),
+                other => Err(ScenarioError::UnknownDefence(other.to_string()).into()),
             },
         }
     }
@@ -476,14 +474,16 @@ impl Default for Scenario {
 
 impl Scenario {
     pub fn from_toml(text: &str) -> Result<Scenario, SimError> {
-        let s: Scenario = toml::from_str(text).map_err(|e| SimError::Scenario(e.to_string()))?;
+        let s: Scenario = toml::from_str(text).map_err(|e| SimError::Parse(Box::new(e)))?;
         s.check()?;
         Ok(s)
     }
 
     pub fn load(path: &std::path::Path) -> Result<Scenario, SimError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| SimError::Io(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|source| SimError::Io {
+            path: path.into(),
+            source,
+        })?;
         let mut s = Self::from_toml(&text)?;
         // A run file is named relative to the scenario, so scenarios work from any directory.
         if !s.trainer.run.is_empty() {
@@ -533,19 +533,20 @@ impl Scenario {
     }
 
     pub fn check(&self) -> Result<(), SimError> {
-        let bad = |m: String| Err(SimError::Scenario(m));
+        let bad = |e: ScenarioError| Err(SimError::from(e));
         if self.nodes() == 0 {
-            return bad("no nodes: add a [[class]] with count > 0".into());
+            return bad(ScenarioError::NoNodes);
         }
         if self.steps == 0 {
-            return bad("steps must be at least 1".into());
+            return bad(ScenarioError::NoSteps);
         }
         let t = &self.timing;
         if t.period_ms == 0 || t.grace_ms + t.summary_ms > t.period_ms {
-            return bad(format!(
-                "timing: grace ({}) + summary ({}) must fit in period ({})",
-                t.grace_ms, t.summary_ms, t.period_ms
-            ));
+            return bad(ScenarioError::Timing {
+                grace: t.grace_ms,
+                summary: t.summary_ms,
+                period: t.period_ms,
+            });
         }
         let most = self
             .sweep
@@ -555,38 +556,33 @@ impl Scenario {
             .unwrap_or(0)
             .max(self.nodes());
         if self.mode == Mode::Engine && most > 250 {
-            return bad("engine mode: at most 250 nodes (the run's max_updates_per_step is 256); use mode = \"flow\"".into());
+            return bad(ScenarioError::TooManyForEngine);
         }
         if self.trainer.kind == TrainerKind::Tiny {
             if self.mode == Mode::Flow {
-                return bad("trainer kind \"tiny\" runs in engine mode only".into());
+                return bad(ScenarioError::TinyInFlow);
             }
             if self.trainer.batch == 0 || self.trainer.threads < 1 || self.trainer.eval_batches == 0
             {
-                return bad("trainer: batch, threads and eval_batches must be at least 1".into());
+                return bad(ScenarioError::TinyZero);
             }
         }
         self.defence.resolve()?;
         for a in &self.attackers {
-            a.attack.check().map_err(SimError::Scenario)?;
+            a.attack.check()?;
+            let attacker = a.attack.name();
             if !(0.0..1.0).contains(&a.fraction) {
-                return bad(format!(
-                    "attacker {}: fraction must be in [0, 1)",
-                    a.attack.name()
-                ));
+                return bad(ScenarioError::AttackerFraction { attacker });
             }
             if a.fraction == 0.0 && a.nodes.is_empty() {
-                return bad(format!(
-                    "attacker {}: give nodes or a fraction",
-                    a.attack.name()
-                ));
+                return bad(ScenarioError::AttackerNobody { attacker });
             }
-            if let Some(x) = a.nodes.iter().find(|&&x| x >= self.nodes()) {
-                return bad(format!("attacker {}: no node {x}", a.attack.name()));
+            if let Some(&node) = a.nodes.iter().find(|&&x| x >= self.nodes()) {
+                return bad(ScenarioError::AttackerNoNode { attacker, node });
             }
             // The flow model has no engines to attack (it only ever modelled withholding).
             if self.mode == Mode::Flow && !matches!(a.attack, Attack::Withhold | Attack::Silent) {
-                return bad(format!("attacker {}: engine mode only", a.attack.name()));
+                return bad(ScenarioError::AttackerInFlow { attacker });
             }
         }
         if let Some(l) = self
@@ -594,15 +590,15 @@ impl Scenario {
             .iter()
             .find(|l| l.node >= self.nodes())
         {
-            return bad(format!("checkpoint_liar: no node {}", l.node));
+            return bad(ScenarioError::LiarNoNode(l.node));
         }
         if self.mode == Mode::Flow && !self.checkpoint_liars.is_empty() {
-            return bad("checkpoint_liar: engine mode only".into());
+            return bad(ScenarioError::LiarInFlow);
         }
         for f in &self.faults {
             if let Fault::Join { class, .. } = f {
                 if *class >= self.classes.len() {
-                    return bad(format!("join: no class {class}"));
+                    return bad(ScenarioError::JoinNoClass(*class));
                 }
             }
         }

@@ -28,7 +28,7 @@ use train::tch::{self, Device, Kind, Tensor};
 
 use crate::scenario::Scenario;
 use crate::synth::{Local, SimTrainer};
-use crate::SimError;
+use crate::{ScenarioError, SimError};
 
 /// The real `tiny` (or a run file's) model, trained with DeMo by every simulated node.
 pub struct Tiny {
@@ -56,13 +56,7 @@ pub struct Tiny {
 /// The trainer's corpus for a run's data. Only the synthetic corpus is a pure function of the
 /// run file; a text or token corpus needs a local file the scenario does not name.
 fn corpus_spec(run: &RunConfig) -> Result<DataSpec, SimError> {
-    DataSpec::for_run(run, None).map_err(|_| {
-        SimError::Scenario(
-            "trainer kind \"tiny\": the simulator trains on the run's synthetic corpus only \
-             ([data.Synthetic] in the run file)"
-                .into(),
-        )
-    })
+    DataSpec::for_run(run, None).map_err(|_| ScenarioError::TinyNeedsSynthetic.into())
 }
 
 /// The tensors' values, flat, in order.
@@ -89,19 +83,16 @@ impl Tiny {
         // The node runs with `--threads 1` in `swarm demo`; the same count keeps float
         // reductions in the same order, so gradients (not only applies) match a real node.
         tch::set_num_threads(spec.threads.max(1));
-        let corpus =
-            Corpus::open(&corpus_spec(run)?).map_err(|e| SimError::Scenario(e.to_string()))?;
+        let corpus = Corpus::open(&corpus_spec(run)?).map_err(SimError::Corpus)?;
         if corpus.vocab() as u32 > run.model.vocab {
-            return Err(SimError::Scenario(format!(
-                "data vocabulary {} exceeds the model's {}",
-                corpus.vocab(),
-                run.model.vocab
-            )));
+            return Err(ScenarioError::VocabTooLarge {
+                data: corpus.vocab(),
+                model: run.model.vocab,
+            }
+            .into());
         }
         if run.batch_seqs == 0 {
-            return Err(SimError::Scenario(
-                "run: batch_seqs must be at least 1".into(),
-            ));
+            return Err(ScenarioError::NoBatch.into());
         }
         // The node's initial weights: `Llama::new` seeds from the run seed.
         // `Llama::new` holds its own lock around libtorch's global generator, so models built
@@ -284,8 +275,7 @@ impl SimTrainer for Tiny {
     /// every H batches: equal tokens).
     fn baseline(&mut self, steps: u64, nodes: usize) -> Result<Vec<f64>, SimError> {
         let hh = self.run.optim.inner_steps() as u64;
-        let steps32 = u32::try_from(steps * hh)
-            .map_err(|_| SimError::Scenario(format!("{steps} steps: too many for the baseline")))?;
+        let steps32 = u32::try_from(steps * hh).map_err(|_| ScenarioError::TooManySteps(steps))?;
         let opts = TrainOptions {
             model: self.run.model.clone(),
             optimizer: Optimizer::Adamw,
@@ -307,7 +297,7 @@ impl SimTrainer for Tiny {
             init: None,
         };
         let (_, report) = train::run::train(&opts, &self.corpus, Device::Cpu, |_| {})
-            .map_err(|e| SimError::Scenario(format!("AdamW baseline: {e}")))?;
+            .map_err(SimError::Baseline)?;
         Ok(report
             .steps
             .iter()

@@ -186,14 +186,17 @@ fn make_run(
     sc: &Scenario,
     timing: StepTiming,
 ) -> Result<(RunConfig, Box<dyn SimTrainer>), SimError> {
-    let bad = |e: String| SimError::Scenario(e);
     let tr = &sc.trainer;
     let mut run = match (tr.kind, tr.run.is_empty()) {
         (TrainerKind::Tiny, false) => {
-            let text = std::fs::read_to_string(&tr.run)
-                .map_err(|e| SimError::Io(format!("{}: {e}", tr.run)))?;
-            let mut r: RunConfig =
-                toml::from_str(&text).map_err(|e| bad(format!("{}: {e}", tr.run)))?;
+            let text = std::fs::read_to_string(&tr.run).map_err(|source| SimError::Io {
+                path: tr.run.clone().into(),
+                source,
+            })?;
+            let mut r: RunConfig = toml::from_str(&text).map_err(|e| SimError::RunFile {
+                path: tr.run.clone().into(),
+                source: Box::new(e),
+            })?;
             r.timing = timing;
             r
         }
@@ -231,7 +234,7 @@ fn make_run(
     if !defence.is_off() || tr.run.is_empty() {
         run.defence = defence;
     }
-    run.validate().map_err(|e| bad(e.to_string()))?;
+    run.validate().map_err(SimError::Run)?;
     let trainer: Box<dyn SimTrainer> = match tr.kind {
         TrainerKind::Synthetic => {
             let mut t = Synthetic::new(run.layout(), run.optim.clone(), sc.optim.noise, sc.seed);
@@ -242,13 +245,7 @@ fn make_run(
         #[cfg(feature = "torch")]
         TrainerKind::Tiny => Box::new(crate::tiny::Tiny::new(&run, sc)?),
         #[cfg(not(feature = "torch"))]
-        TrainerKind::Tiny => {
-            return Err(bad(
-                "trainer kind \"tiny\" needs the simulator built with the `torch` feature \
-                 (`swarm sim` has it; `cargo run -p sim --features torch ...`)"
-                    .into(),
-            ))
-        }
+        TrainerKind::Tiny => return Err(crate::ScenarioError::TinyNeedsTorch.into()),
     };
     Ok((run, trainer))
 }

@@ -2,7 +2,7 @@
 //! (run seed, node identity, step), so anyone can recompute any node's batch.
 
 use crate::rng::Rng;
-use crate::TrainError;
+use crate::{DataError, TrainError};
 use tch::{Device, Kind, Tensor};
 
 /// A seeded random Markov chain of order 2 over a small vocabulary: every context (a, b) has
@@ -249,9 +249,7 @@ impl DataSpec {
                 width: *bytes_per_token as u32 * 8,
                 vocab: *vocab as usize,
             }),
-            _ => Err(TrainError::Data(
-                "this run trains on a file: pass it with --data PATH".into(),
-            )),
+            _ => Err(DataError::NoFile.into()),
         }
     }
 
@@ -276,8 +274,10 @@ impl Corpus {
                 branch,
             } => Ok(Corpus::Synthetic(MarkovChain::new(*seed, *vocab, *branch))),
             DataSpec::Text { path, tokenizer } => {
-                let text =
-                    std::fs::read(path).map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let text = std::fs::read(path).map_err(|source| DataError::Unreadable {
+                    path: path.into(),
+                    source,
+                })?;
                 let (tokens, vocab, how) = match tokenizer {
                     None => (
                         text.iter().map(|&b| b as u32).collect::<Vec<_>>(),
@@ -285,13 +285,20 @@ impl Corpus {
                         "bytes".to_string(),
                     ),
                     Some(tok) => {
-                        let t = tokenizers::Tokenizer::from_file(tok)
-                            .map_err(|e| TrainError::Data(format!("{tok}: {e}")))?;
-                        let s = String::from_utf8(text)
-                            .map_err(|e| TrainError::Data(format!("{path}: not UTF-8: {e}")))?;
-                        let enc = t
-                            .encode(s, false)
-                            .map_err(|e| TrainError::Data(format!("tokenizing {path}: {e}")))?;
+                        let t = tokenizers::Tokenizer::from_file(tok).map_err(|source| {
+                            DataError::Tokenizer {
+                                path: tok.into(),
+                                source,
+                            }
+                        })?;
+                        let s = String::from_utf8(text).map_err(|e| DataError::NotUtf8 {
+                            path: path.into(),
+                            source: e.utf8_error(),
+                        })?;
+                        let enc = t.encode(s, false).map_err(|source| DataError::Tokenize {
+                            path: path.into(),
+                            source,
+                        })?;
                         (
                             enc.get_ids().to_vec(),
                             t.get_vocab_size(true),
@@ -302,20 +309,18 @@ impl Corpus {
                 Self::stream(Tokens::Owned(tokens), vocab, format!("{path} ({how})"))
             }
             DataSpec::Shard { path, width, vocab } => {
-                let f = std::fs::File::open(path)
-                    .map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let unreadable = |source| DataError::Unreadable {
+                    path: path.into(),
+                    source,
+                };
+                let f = std::fs::File::open(path).map_err(unreadable)?;
                 // Safety: the shard is read-only input; a concurrent writer would only change
                 // which tokens we read, not memory safety of the slice bounds we check.
-                let m = unsafe { memmap2::Mmap::map(&f) }
-                    .map_err(|e| TrainError::Data(format!("{path}: {e}")))?;
+                let m = unsafe { memmap2::Mmap::map(&f) }.map_err(unreadable)?;
                 let tokens = match width {
                     16 => Tokens::U16(m),
                     32 => Tokens::U32(m),
-                    w => {
-                        return Err(TrainError::Data(format!(
-                            "token width {w} (expected 16 or 32)"
-                        )))
-                    }
+                    w => return Err(DataError::TokenWidth(*w).into()),
                 };
                 let vocab = if *vocab > 0 {
                     *vocab
@@ -329,10 +334,11 @@ impl Corpus {
 
     fn stream(tokens: Tokens, vocab: usize, describe: String) -> Result<Corpus, TrainError> {
         if tokens.len() < 1000 {
-            return Err(TrainError::Data(format!(
-                "{describe}: only {} tokens",
-                tokens.len()
-            )));
+            return Err(DataError::TooShort {
+                describe,
+                tokens: tokens.len(),
+            }
+            .into());
         }
         Ok(Corpus::Stream {
             tokens,

@@ -14,7 +14,7 @@
 //! Files are read and written with the `safetensors` crate directly (not through libtorch),
 //! so the model's configuration can travel in the file's metadata (`swarm.model`).
 
-use crate::TrainError;
+use crate::{CheckpointError, HfConfigError, TrainError};
 use protocol::config::ModelConfig;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -89,29 +89,25 @@ pub fn config_from_json(
     name: &str,
     seq_len: Option<u32>,
 ) -> Result<ModelConfig, TrainError> {
-    let bad = |m: String| TrainError::Checkpoint(format!("config.json: {m}"));
-    let int = |k: &str| -> Result<u32, TrainError> {
+    let bad = |e: HfConfigError| TrainError::from(CheckpointError::HfConfig(e));
+    let int = |k: &'static str| -> Result<u32, TrainError> {
         v.get(k)
             .and_then(|x| x.as_u64())
             .and_then(|x| u32::try_from(x).ok())
-            .ok_or_else(|| bad(format!("missing or bad {k:?}")))
+            .ok_or_else(|| bad(HfConfigError::Field(k)))
     };
     let mt = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
     if mt != "llama" {
-        return Err(bad(format!(
-            "model_type {mt:?}: only Llama models (model_type \"llama\") convert"
-        )));
+        return Err(bad(HfConfigError::NotLlama(mt.to_string())));
     }
     for flag in ["attention_bias", "mlp_bias"] {
         if v.get(flag).and_then(|x| x.as_bool()) == Some(true) {
-            return Err(bad(format!("{flag} is true; swarm's Llama has no biases")));
+            return Err(bad(HfConfigError::Bias(flag)));
         }
     }
     if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
         if act != "silu" {
-            return Err(bad(format!(
-                "hidden_act {act:?}; swarm's MLP is SwiGLU (silu)"
-            )));
+            return Err(bad(HfConfigError::Activation(act.to_string())));
         }
     }
     // RoPE: θ from either spelling; only the plain (unscaled) form is swarm's.
@@ -123,9 +119,7 @@ pub fn config_from_json(
             .and_then(|x| x.as_str())
             .unwrap_or("default");
         if ty != "default" {
-            return Err(bad(format!(
-                "RoPE scaling {ty:?}; swarm implements the plain rotary embedding only"
-            )));
+            return Err(bad(HfConfigError::RopeScaling(ty.to_string())));
         }
     }
     let theta = v
@@ -137,16 +131,14 @@ pub fn config_from_json(
     let heads = int("num_attention_heads")?;
     let dim = int("hidden_size")?;
     if heads == 0 || dim % heads != 0 {
-        return Err(bad(format!(
-            "hidden_size {dim} is not a multiple of {heads} heads"
-        )));
+        return Err(bad(HfConfigError::HeadSplit { dim, heads }));
     }
     if let Some(hd) = v.get("head_dim").and_then(|x| x.as_u64()) {
         if hd != (dim / heads) as u64 {
-            return Err(bad(format!(
-                "head_dim {hd} differs from hidden_size / heads = {}; swarm derives it",
-                dim / heads
-            )));
+            return Err(bad(HfConfigError::HeadDim {
+                head_dim: hd,
+                derived: dim / heads,
+            }));
         }
     }
     let kv_heads = v
@@ -155,9 +147,7 @@ pub fn config_from_json(
         .map(|x| x as u32)
         .unwrap_or(heads);
     if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(bad(format!(
-            "{heads} heads do not group over {kv_heads} KV heads"
-        )));
+        return Err(bad(HfConfigError::KvHeads { heads, kv_heads }));
     }
     Ok(ModelConfig {
         name: name.to_string(),
@@ -190,12 +180,10 @@ pub fn shapes_of(tensors: &[(String, Tensor)]) -> Shapes {
 /// A safetensors file's tensor names, shapes and metadata, from its header alone (the values
 /// are mapped, not read): enough to tell which model a checkpoint holds before loading it.
 pub fn read_header(path: &Path) -> Result<(Shapes, HashMap<String, String>), TrainError> {
-    let f = std::fs::File::open(path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let f = std::fs::File::open(path).map_err(CheckpointError::io(path))?;
     // Safety: as in `read_f32`.
     let m = unsafe { memmap2::Mmap::map(&f) }?;
-    let (_, meta) = SafeTensors::read_metadata(&m)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let (_, meta) = SafeTensors::read_metadata(&m).map_err(CheckpointError::safetensors(path))?;
     let mut shapes: Shapes = meta
         .tensors()
         .into_iter()
@@ -210,28 +198,28 @@ pub fn read_header(path: &Path) -> Result<(Shapes, HashMap<String, String>), Tra
 pub fn read_f32(
     path: &Path,
 ) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>), TrainError> {
-    let f = std::fs::File::open(path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let f = std::fs::File::open(path).map_err(CheckpointError::io(path))?;
     // Safety: a read-only mapping of a file we only read; a concurrent writer could change
     // values, never the bounds safetensors checks.
     let m = unsafe { memmap2::Mmap::map(&f) }?;
-    let bad = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
-    let st = SafeTensors::deserialize(&m).map_err(|e| bad(e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(&m).map_err(|e| bad(e.to_string()))?;
+    let st = SafeTensors::deserialize(&m).map_err(CheckpointError::safetensors(path))?;
+    let (_, meta) = SafeTensors::read_metadata(&m).map_err(CheckpointError::safetensors(path))?;
     let mut out = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
     names.sort();
     for name in names {
-        let t = st.tensor(&name).map_err(|e| bad(e.to_string()))?;
+        let t = st
+            .tensor(&name)
+            .map_err(CheckpointError::safetensors(path))?;
         let shape: Vec<i64> = t.shape().iter().map(|&x| x as i64).collect();
-        let vals = to_f32(t.dtype(), t.data()).map_err(|e| bad(format!("{name}: {e}")))?;
+        let vals = to_f32(t.dtype(), t.data()).map_err(CheckpointError::dtype(path, &name))?;
         out.push((name, Tensor::from_slice(&vals).view(&shape[..])));
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))
 }
 
-/// Little-endian f32, bf16 or f16 bytes as f32 values.
-fn to_f32(dtype: Dtype, d: &[u8]) -> Result<Vec<f32>, String> {
+/// Little-endian f32, bf16 or f16 bytes as f32 values; any other type is given back.
+fn to_f32(dtype: Dtype, d: &[u8]) -> Result<Vec<f32>, Dtype> {
     Ok(match dtype {
         Dtype::F32 => d
             .chunks_exact(4)
@@ -245,7 +233,7 @@ fn to_f32(dtype: Dtype, d: &[u8]) -> Result<Vec<f32>, String> {
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-        other => return Err(format!("dtype {other:?} (expected F32, BF16 or F16)")),
+        other => return Err(other),
     })
 }
 
@@ -258,15 +246,14 @@ pub fn for_each_f32(
     mut f: impl FnMut(usize, &str, Tensor) -> Result<(), TrainError>,
 ) -> Result<(), TrainError> {
     use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
-    let bad = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
+    let file = std::fs::File::open(path).map_err(CheckpointError::io(path))?;
     // The header through a mapping (safetensors checks it against the file's length); only
     // its pages are touched, and the mapping is gone before any value is read.
     let (n, mut infos) = {
         // Safety: as in `read_f32`.
         let m = unsafe { memmap2::Mmap::map(&file) }?;
-        let (n, meta) = SafeTensors::read_metadata(&m).map_err(|e| bad(e.to_string()))?;
+        let (n, meta) =
+            SafeTensors::read_metadata(&m).map_err(CheckpointError::safetensors(path))?;
         let infos: Vec<(String, safetensors::tensor::TensorInfo)> = meta
             .tensors()
             .into_iter()
@@ -280,18 +267,25 @@ pub fn for_each_f32(
         let (lo, hi) = info.data_offsets;
         let at = 8 + n + lo as u64;
         if hi < lo || at + (hi - lo) as u64 > file_len {
-            return Err(bad(format!("{name}: data past the end of the file")));
+            return Err(CheckpointError::PastEnd {
+                path: path.into(),
+                tensor: name,
+            }
+            .into());
         }
         let mut bytes = vec![0u8; hi - lo];
         file.read_exact_at(&mut bytes, at)?;
-        let vals = to_f32(info.dtype, &bytes).map_err(|e| bad(format!("{name}: {e}")))?;
+        let vals = to_f32(info.dtype, &bytes).map_err(CheckpointError::dtype(path, &name))?;
         drop(bytes);
         let shape: Vec<i64> = info.shape.iter().map(|&x| x as i64).collect();
         if vals.len() as i64 != shape.iter().product::<i64>() {
-            return Err(bad(format!(
-                "{name}: {} values for shape {shape:?}",
-                vals.len()
-            )));
+            return Err(CheckpointError::ValueCount {
+                path: path.into(),
+                tensor: name,
+                values: vals.len(),
+                shape,
+            }
+            .into());
         }
         f(i, &name, Tensor::from_slice(&vals).view(&shape[..]))?;
     }
@@ -349,7 +343,7 @@ pub fn write(
         .collect();
     let tmp = path.with_extension("tmp");
     safetensors::serialize_to_file(raws.iter().map(|(n, r)| (n.as_str(), r)), Some(meta), &tmp)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+        .map_err(CheckpointError::safetensors(&tmp))?;
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path)?;
     Ok(())
@@ -364,17 +358,13 @@ pub fn infer_config(
 ) -> Result<ModelConfig, TrainError> {
     if let Some(j) = meta.get(MODEL_META) {
         return serde_json::from_str(j)
-            .map_err(|e| TrainError::Checkpoint(format!("{MODEL_META} metadata: {e}")));
+            .map_err(|source| CheckpointError::ModelMeta { source }.into());
     }
     let emb = shapes
         .iter()
         .find(|(n, _)| n == "tok_embeddings.weight")
         .map(|(_, s)| s.clone())
-        .ok_or_else(|| {
-            TrainError::Checkpoint(
-                "no tensor \"tok_embeddings.weight\": not a swarm checkpoint".into(),
-            )
-        })?;
+        .ok_or(CheckpointError::NotSwarm)?;
     let vocab = emb[0] as u32;
     for name in ["tiny", "small", "1.2b"] {
         let Some(mut c) = ModelConfig::named(name, vocab) else {
@@ -390,11 +380,12 @@ pub fn infer_config(
         .iter()
         .filter(|(n, _)| n.ends_with(".attention_norm.weight"))
         .count();
-    Err(TrainError::Checkpoint(format!(
-        "the tensor shapes (vocab {vocab}, dim {}, {layers} layers) match no named model \
-         (tiny, small, 1.2b); pass the run file (--run RUN.toml) that trained it",
-        emb[1]
-    )))
+    Err(CheckpointError::UnknownModel {
+        vocab,
+        dim: emb[1],
+        layers,
+    }
+    .into())
 }
 
 /// Check that `tensors` are exactly the tensors of `cfg`, with its shapes.
@@ -412,21 +403,24 @@ pub fn check_shape_list(
     for (n, s) in &want {
         let s: Vec<i64> = s.iter().map(|&x| x as i64).collect();
         match have.get(n.as_str()) {
-            None => return Err(TrainError::Checkpoint(format!("missing tensor {n}"))),
+            None => return Err(CheckpointError::MissingTensor(n.clone()).into()),
             Some(h) if **h != s => {
-                return Err(TrainError::Checkpoint(format!(
-                    "{n}: shape {h:?}, the model's is {s:?}"
-                )))
+                return Err(CheckpointError::Shape {
+                    tensor: n.clone(),
+                    have: h.to_vec(),
+                    want: s,
+                }
+                .into())
             }
             _ => {}
         }
     }
     if have.len() != want.len() {
-        return Err(TrainError::Checkpoint(format!(
-            "{} tensors, the model has {}",
-            have.len(),
-            want.len()
-        )));
+        return Err(CheckpointError::TensorCount {
+            have: have.len(),
+            want: want.len(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -452,7 +446,7 @@ pub fn export(
     let mut hf = Vec::with_capacity(tensors.len());
     let mut params = 0;
     for (n, t) in tensors {
-        let h = hf_name(n).ok_or_else(|| TrainError::Checkpoint(format!("no HF name for {n}")))?;
+        let h = hf_name(n).ok_or_else(|| CheckpointError::NoHfName(n.clone()))?;
         params += t.numel() as i64;
         hf.push((h, t.shallow_clone()));
     }
@@ -476,8 +470,7 @@ pub fn export(
         &mut files,
     )?;
     if let Some(t) = tokenizer {
-        std::fs::copy(t, dir.join("tokenizer.json"))
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", t.display())))?;
+        std::fs::copy(t, dir.join("tokenizer.json")).map_err(CheckpointError::io(t))?;
         files.push("tokenizer.json".into());
     }
     Ok(Exported { files, params })
@@ -493,20 +486,20 @@ pub fn import(
     seq_len: Option<u32>,
 ) -> Result<(ModelConfig, Vec<(String, Tensor)>), TrainError> {
     let cfg_path = dir.join("config.json");
-    let v: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(&cfg_path)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", cfg_path.display())))?,
-    )
-    .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", cfg_path.display())))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).map_err(CheckpointError::io(&cfg_path))?)
+            .map_err(CheckpointError::json(&cfg_path))?;
     let cfg = config_from_json(&v, name, seq_len)?;
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.exists() {
         let ix: serde_json::Value = serde_json::from_slice(&std::fs::read(&index)?)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", index.display())))?;
+            .map_err(CheckpointError::json(&index))?;
         let map = ix
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| TrainError::Checkpoint(format!("{}: no weight_map", index.display())))?;
+            .ok_or_else(|| CheckpointError::NoWeightMap {
+                path: index.clone(),
+            })?;
         let mut f: Vec<String> = map
             .values()
             .filter_map(|x| x.as_str().map(String::from))
@@ -525,6 +518,10 @@ pub fn import(
     }
     let tied = v.get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true);
     let mut out = Vec::new();
+    let missing = |tensor: &str| CheckpointError::NoHfTensor {
+        dir: dir.into(),
+        tensor: tensor.into(),
+    };
     for (ours, _) in cfg.tensor_shapes() {
         let h = hf_name(&ours).expect("every swarm tensor has an HF name");
         let t = match by_hf.get(&h) {
@@ -532,13 +529,8 @@ pub fn import(
             None if tied && ours == "output.weight" => by_hf
                 .get("model.embed_tokens.weight")
                 .map(|t| t.copy())
-                .ok_or_else(|| TrainError::Checkpoint("no model.embed_tokens.weight".into()))?,
-            None => {
-                return Err(TrainError::Checkpoint(format!(
-                    "{}: no tensor {h}",
-                    dir.display()
-                )))
-            }
+                .ok_or_else(|| missing("model.embed_tokens.weight"))?,
+            None => return Err(missing(&h).into()),
         };
         out.push((ours, t.to_kind(Kind::Float)));
     }

@@ -5,6 +5,7 @@
 pub mod adamw;
 pub mod data;
 pub mod demo;
+mod error;
 pub mod eval;
 pub mod hf;
 pub mod model;
@@ -14,7 +15,7 @@ pub mod run;
 
 pub use tch;
 
-use thiserror::Error;
+pub use error::{CheckpointError, ConfigError, DataError, DeviceError, HfConfigError, TrainError};
 
 /// Keep freed tensor memory in the process for the next step instead of handing it back to
 /// the system at every free. glibc serves blocks over a (dynamic) threshold as fresh `mmap`s
@@ -40,22 +41,6 @@ pub fn keep_freed_memory() {
     }
 }
 
-#[derive(Debug, Error)]
-pub enum TrainError {
-    #[error("torch: {0}")]
-    Torch(#[from] tch::TchError),
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("data: {0}")]
-    Data(String),
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
-    #[error("config: {0}")]
-    Config(String),
-    #[error("device: {0}")]
-    Device(String),
-}
-
 /// `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`.
 pub fn parse_device(s: &str) -> Result<tch::Device, TrainError> {
     match s {
@@ -65,24 +50,24 @@ pub fn parse_device(s: &str) -> Result<tch::Device, TrainError> {
             if tch::Cuda::is_available() {
                 Ok(tch::Device::Cuda(0))
             } else {
-                Err(TrainError::Device("--device cuda, but libtorch sees no CUDA device (is libtorch_cuda linked and a driver present?)".into()))
+                Err(DeviceError::NoCuda.into())
             }
         }
         s if s.starts_with("cuda:") => {
-            let n: usize = s[5..]
-                .parse()
-                .map_err(|_| TrainError::Device(format!("bad device {s:?}")))?;
+            let n: usize = s[5..].parse().map_err(|source| DeviceError::BadIndex {
+                device: s.to_string(),
+                source,
+            })?;
             if n < tch::Cuda::device_count() as usize {
                 Ok(tch::Device::Cuda(n))
             } else {
-                Err(TrainError::Device(format!(
-                    "{s}: only {} CUDA devices",
-                    tch::Cuda::device_count()
-                )))
+                Err(DeviceError::NoSuchCuda {
+                    device: s.to_string(),
+                    count: tch::Cuda::device_count(),
+                }
+                .into())
             }
         }
-        s => Err(TrainError::Device(format!(
-            "unknown device {s:?} (expected auto, cpu, cuda or cuda:N)"
-        ))),
+        s => Err(DeviceError::Unknown(s.to_string()).into()),
     }
 }

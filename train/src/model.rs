@@ -241,13 +241,14 @@ impl Llama {
             for (n, p) in self.names.iter().zip(self.params.iter_mut()) {
                 let t = map
                     .get(n)
-                    .ok_or_else(|| crate::TrainError::Checkpoint(format!("missing tensor {n}")))?;
+                    .ok_or_else(|| crate::CheckpointError::MissingTensor(n.clone()))?;
                 if t.size() != p.size() {
-                    return Err(crate::TrainError::Checkpoint(format!(
-                        "{n}: shape {:?}, expected {:?}",
-                        t.size(),
-                        p.size()
-                    )));
+                    return Err(crate::CheckpointError::Shape {
+                        tensor: n.clone(),
+                        have: t.size(),
+                        want: p.size(),
+                    }
+                    .into());
                 }
                 p.copy_(&t.to_kind(Kind::Float));
             }

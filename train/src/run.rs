@@ -16,7 +16,7 @@ use crate::data::Corpus;
 use crate::demo::grad_norm;
 use crate::model::Llama;
 use crate::node::{NodeState, NodeStep};
-use crate::TrainError;
+use crate::{ConfigError, TrainError};
 use protocol::config::{lr_at, ModelConfig, OptimConfig};
 use protocol::sparse::SparseUpdate;
 use serde::{Deserialize, Serialize};
@@ -159,16 +159,14 @@ pub fn train(
     mut on_step: impl FnMut(&StepRecord),
 ) -> Result<(Llama, TrainReport), TrainError> {
     if opts.replicas == 0 || opts.steps == 0 || opts.batch == 0 {
-        return Err(TrainError::Config(
-            "replicas, steps and batch must be at least 1".into(),
-        ));
+        return Err(ConfigError::ZeroCount.into());
     }
     if (corpus.vocab() as u32) > opts.model.vocab {
-        return Err(TrainError::Config(format!(
-            "data vocabulary {} exceeds the model's {}",
-            corpus.vocab(),
-            opts.model.vocab
-        )));
+        return Err(ConfigError::VocabTooLarge {
+            data: corpus.vocab(),
+            model: opts.model.vocab,
+        }
+        .into());
     }
     check_memory(opts, device)?;
     let start = Instant::now();
@@ -190,10 +188,11 @@ pub fn train(
     let hh = o.inner_steps();
     let steps = opts.steps / hh;
     if steps == 0 {
-        return Err(TrainError::Config(format!(
-            "{} steps is less than one window of {hh} local steps",
-            opts.steps
-        )));
+        return Err(ConfigError::ShorterThanWindow {
+            steps: opts.steps,
+            window: hh,
+        }
+        .into());
     }
     // The cosine ends at this run's last step (warm-up and length count windows).
     o.total_steps = steps;
@@ -409,15 +408,14 @@ fn check_memory(opts: &TrainOptions, device: Device) -> Result<(), TrainError> {
     };
     let need = state_bytes(opts);
     if need > avail {
-        return Err(TrainError::Config(format!(
-            "{} with {} {:?} replicas needs about {:.1} GB for weights, gradients and optimizer state, \
-             but only {:.1} GB is free; use fewer --replicas, a smaller --model, or --device cuda",
-            opts.model.name,
-            opts.replicas,
-            opts.optimizer,
-            need as f64 / 1e9,
-            avail as f64 / 1e9
-        )));
+        return Err(ConfigError::OutOfMemory {
+            model: opts.model.name.clone(),
+            replicas: opts.replicas,
+            optimizer: opts.optimizer,
+            need,
+            avail,
+        }
+        .into());
     }
     Ok(())
 }

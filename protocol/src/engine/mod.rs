@@ -39,8 +39,9 @@
 //!   is dropped at once. Synced nodes serve the checkpoints they hold (`Event::Requested`).
 //!
 //! # The parts
-//! `Engine` is one state (this file: its fields, the events and actions, `handle`) driven by
-//! parts that each own one concern, the way iroh-gossip's topic state owns its layers:
+//! `Engine` is one state (this file: its fields, the events and actions, `handle`; its settings
+//! and accessors are in `access`) driven by parts that each own one concern, the way
+//! iroh-gossip's topic state owns its layers:
 //! * `accept`: a message from a peer: hello, header, blob, summary; what is credited to whom.
 //! * `fetch`: which blobs are wanted, from whom, in what order; serving them to peers.
 //! * `round`: the step windows, the node's own update and the clock (apply, summaries, timer).
@@ -54,6 +55,7 @@
 //! state, so no two copies can disagree); what one part calls in another is `pub(super)`.
 
 mod accept;
+mod access;
 mod defence;
 mod fetch;
 mod peers;
@@ -68,6 +70,7 @@ use fetch::{Want, Why};
 use peers::Peer;
 use sync::{Checkpoints, SyncState};
 
+pub use access::Status;
 pub use report::{Metrics, Report};
 
 use download::Request;
@@ -388,15 +391,6 @@ pub struct Engine {
     pow: u64,
 }
 
-/// Where an engine stands.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Status {
-    pub synced: bool,
-    pub version: u64,
-    pub digest: Digest,
-    pub applying: Option<u64>,
-}
-
 enum Via {
     Gossip,
     Fetch,
@@ -473,54 +467,6 @@ impl Engine {
             pow: crypto::pow::solve(&run_id.0, &me_id, run.defence.pow_bits),
             run,
         }
-    }
-
-    /// Listen addresses and capabilities announced in Hello.
-    pub fn set_listen(&mut self, listen: Vec<String>, capabilities: u64) {
-        let l = &self.run.limits;
-        self.listen = listen
-            .into_iter()
-            .take(l.max_listen_addrs as usize)
-            .filter(|a| a.len() <= l.max_addr_len as usize)
-            .collect();
-        self.capabilities = capabilities;
-    }
-
-    /// The peers this node may use as first-hop relays (see [`caps::RELAY`]); at most two of
-    /// them, connected and announcing the capability, are used.
-    pub fn set_trusted_relays(&mut self, peers: impl IntoIterator<Item = NodeId>) {
-        self.trusted_relays = peers.into_iter().take(16).collect();
-    }
-
-    pub fn node_id(&self) -> NodeId {
-        self.me_id
-    }
-    /// This identity's proof of work for the run (0 when the run requires none).
-    pub fn pow(&self) -> u64 {
-        self.pow
-    }
-    pub fn run_id(&self) -> RunId {
-        self.run_id
-    }
-    pub fn run(&self) -> &RunConfig {
-        &self.run
-    }
-    pub fn metrics(&self) -> &Metrics {
-        &self.metrics
-    }
-    pub fn status(&self) -> Status {
-        Status {
-            synced: self.sync == SyncState::Synced,
-            version: self.version,
-            digest: self.digest,
-            applying: self.applying,
-        }
-    }
-    pub fn is_banned(&self, peer: &NodeId) -> bool {
-        self.peers.get(peer).is_some_and(|p| p.banned)
-    }
-    pub fn score(&self, peer: &NodeId) -> u32 {
-        self.peers.get(peer).map_or(0, |p| p.score)
     }
 
     /// The instant (unix ms) at which the driver should call `handle(Event::Timer, at)`, as of
