@@ -442,6 +442,12 @@ fn a_joiner_loads_only_the_attested_checkpoint_and_stops_asking_a_liar() {
     wait_until(80, "the joiner's step 15", || {
         last_step(&l.status("joiner")) >= Some(15)
     });
+    // The honest nodes apply step 15 at the same moment; wait until each has written it too,
+    // or an honest node's last line can be missing when the files are compared (seen once,
+    // as in the kill -9 drill).
+    wait_until(20, "the honest nodes' step 15", || {
+        (0..2).all(|i| last_step(&l.status(&format!("n{i}"))) >= Some(15))
+    });
     let log = l.log("joiner");
     let loaded = log
         .lines()
