@@ -131,7 +131,9 @@ struct State {
     run: RunConfig,
     nodes: Vec<Node>,
     trainer: Box<dyn SimTrainer>,
-    /// The step of the `LocalUpdate` the engine being handed an event is handling, if any.
+    /// The step of the `LocalUpdate` the engine being handed an event is handling, if any: set
+    /// by `Host::event`, read by `Host::sees` for that event's actions. It stays the current
+    /// event's because no action handler here hands an engine an event synchronously.
     local: Option<u64>,
     /// Apply results shared by nodes that apply the same set to the same parameters.
     cache: HashMap<[u8; 32], Cached>,
