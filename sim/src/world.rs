@@ -985,39 +985,6 @@ impl State {
         net.push_event(now + 1000, i, Event::Applied { step, digest: wire });
     }
 
-    /// `server` snapshots its parameters for serving, unless it holds that version already
-    /// (a liar of [`Lie::Manifest`] snapshots other parameters under the same version).
-    fn snapshot(&mut self, net: &mut Engines, server: usize, now: Micros) {
-        let n = &self.nodes[server];
-        let v = n.version;
-        if n.snaps.iter().any(|(s, _)| *s == v) {
-            return;
-        }
-        let mut params = n.params.clone();
-        if self.liars.get(&server) == Some(&Lie::Manifest) {
-            let mut p = params.to_vec();
-            if let Some(x) = p.first_mut() {
-                *x += 1.0;
-            }
-            params = Arc::new(p);
-        }
-        let tensors = self.trainer.checkpoint_tensors(&params);
-        let manifest = download::manifest_of(
-            self.run_id,
-            &self.run.limits,
-            net.peers[server].id,
-            v,
-            &tensors,
-        );
-        let n = &mut self.nodes[server];
-        n.snaps.retain(|(s, _)| *s < v);
-        n.snaps.push((v, params));
-        if n.snaps.len() > protocol::engine::KEEP_SNAPSHOTS {
-            n.snaps.remove(0);
-        }
-        net.deliver(server, Event::Snapshot { manifest }, now, self);
-    }
-
     fn adversary_stats(&self) -> AttackStats {
         let mut a = self.adv.clone();
         a.hostile_nodes = self
@@ -1255,8 +1222,37 @@ impl Host<Ev, Network> for State {
         frame.len() as u64 + self.wire_extra
     }
 
+    /// `server` snapshots its parameters for serving, unless it holds that version already
+    /// (a liar of [`Lie::Manifest`] snapshots other parameters under the same version).
     fn snapshot(&mut self, net: &mut Engines, server: usize, now: Micros) {
-        State::snapshot(self, net, server, now);
+        let n = &self.nodes[server];
+        let v = n.version;
+        if n.snaps.iter().any(|(s, _)| *s == v) {
+            return;
+        }
+        let mut params = n.params.clone();
+        if self.liars.get(&server) == Some(&Lie::Manifest) {
+            let mut p = params.to_vec();
+            if let Some(x) = p.first_mut() {
+                *x += 1.0;
+            }
+            params = Arc::new(p);
+        }
+        let tensors = self.trainer.checkpoint_tensors(&params);
+        let manifest = download::manifest_of(
+            self.run_id,
+            &self.run.limits,
+            net.peers[server].id,
+            v,
+            &tensors,
+        );
+        let n = &mut self.nodes[server];
+        n.snaps.retain(|(s, _)| *s < v);
+        n.snaps.push((v, params));
+        if n.snaps.len() > protocol::engine::KEEP_SNAPSHOTS {
+            n.snaps.remove(0);
+        }
+        net.deliver(server, Event::Snapshot { manifest }, now, self);
     }
 
     /// A modelled checkpoint size is charged chunk by chunk, in proportion.

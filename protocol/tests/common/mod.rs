@@ -160,7 +160,6 @@ pub struct World {
     pub nodes: Vec<SimNode>,
     /// The time (ms) the last `run_until` ran to.
     pub now: u64,
-    pub latency: u64,
     pub train_ms: u64,
     /// Return true to drop the event (time, from, to, event) before delivery.
     pub drop: DropFn,
@@ -209,7 +208,6 @@ impl Sim {
                 run,
                 nodes: Vec::new(),
                 now: GENESIS - 500,
-                latency,
                 train_ms: 300,
                 drop: Box::new(|_, _, _, _| false),
                 harmful: Default::default(),
@@ -428,7 +426,7 @@ impl Host<(), Fixed> for World {
 
     fn fetch_outside(
         &mut self,
-        _net: &Net<(), Fixed>,
+        net: &Net<(), Fixed>,
         peer: NodeId,
         blob: &ContentId,
         now: Micros,
@@ -436,10 +434,8 @@ impl Host<(), Fixed> for World {
         if self.silent.contains(&peer) {
             return None;
         }
-        Some((
-            now + 2 * self.latency * 1000,
-            self.served.get(blob).cloned(),
-        ))
+        // A round trip on the test's links.
+        Some((now + 2 * net.links.0, self.served.get(blob).cloned()))
     }
 
     /// The server snapshots what it holds (a real node: after each step).
